@@ -1,0 +1,50 @@
+"""Optional-JIT shim: one place that decides how lbkit's kernels are compiled.
+
+Kernels are plain loops over numpy arrays. They are compiled with ``numba.njit(nogil=True)``,
+never with ``fastmath`` or ``parallel`` (router paths must be deterministic and must not start
+thread pools). With ``NUMBA_DISABLE_JIT=1`` numba returns the Python function itself, which is how
+the test suite checks JIT parity and measures coverage. If numba cannot be imported at all, the
+decorator degrades to the identity so that the pure-Python kernels still run (slowly).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+try:  # numba is a core dependency; the fallback keeps lbkit importable on exotic platforms.
+    import numba as _numba
+except ImportError:  # pragma: no cover - exercised only where numba is absent
+    _numba = None
+
+__all__ = ["HAVE_NUMBA", "jit"]
+
+HAVE_NUMBA = _numba is not None
+
+
+def jit(func: F) -> F:
+    """Compile ``func`` with numba in lbkit's standard mode (``nogil``, no fastmath, no cache).
+
+    The compiled function keeps the original in ``.py_func`` (numba's convention; the fallback
+    sets it too), so tests can compare the jitted kernel with the plain Python one.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> @jit
+    ... def total(x):
+    ...     s = 0.0
+    ...     for v in x:
+    ...         s += v
+    ...     return s
+    >>> float(total(np.arange(4.0)))
+    6.0
+    >>> float(total.py_func(np.arange(4.0)))
+    6.0
+    """
+    if _numba is None:  # pragma: no cover
+        func.py_func = func  # type: ignore[attr-defined]
+        return func
+    return _numba.njit(nogil=True, cache=False, fastmath=False)(func)

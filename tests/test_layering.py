@@ -1,0 +1,89 @@
+"""The import layering of lbkit, enforced.
+
+``lbkit.core`` <- ``lbkit.prefill`` / ``lbkit.decode`` / ``lbkit.eplb`` (siblings never import each
+other) <- ``lbkit.sim`` <- ``lbkit.cli``. ``_reference`` modules (exact solvers) are imported only by
+tests, benchmarks and the command-line tool. Heavy optional dependencies are never imported by the
+light subpackages.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "lbkit"
+
+LAYER = {"core": 0, "prefill": 1, "decode": 1, "eplb": 1, "sim": 2, "cli": 3}
+
+
+def _package_of(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[0] != "lbkit" or len(parts) < 2:
+        return None
+    return parts[1]
+
+
+def _imports(path: Path) -> list[tuple[str, int]]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            # Relative imports would hide the layer they reach; the project uses absolute ones.
+            assert node.level == 0, f"{path}:{node.lineno}: use an absolute import"
+            found.append((node.module or "", node.lineno))
+    return found
+
+
+def _modules():
+    return sorted(p for p in SRC.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(SRC)))
+def test_imports_follow_layers(path: Path):
+    rel = path.relative_to(SRC)
+    own = rel.parts[0].removesuffix(".py") if len(rel.parts) > 1 else None
+    if own is None or own not in LAYER:  # lbkit/__init__.py, _warmup.py, __main__.py
+        own_layer = LAYER["cli"] + 1 if rel.name == "__main__.py" else -1
+    else:
+        own_layer = LAYER[own]
+    for module, line in _imports(path):
+        pkg = _package_of(module)
+        if pkg is None or pkg not in LAYER or pkg == own:
+            continue
+        where = f"{rel}:{line} imports {module}"
+        if own_layer == -1:
+            pytest.fail(f"{where}: top-level modules must stay light and import no subpackage")
+        assert LAYER[pkg] < own_layer, f"{where}: a layer-{own_layer} module imports layer {LAYER[pkg]}"
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(SRC)))
+def test_reference_solvers_are_not_imported_by_library_code(path: Path):
+    rel = path.relative_to(SRC)
+    if rel.parts[0] == "cli" or rel.name == "cli.py" or rel.name == "_reference.py":
+        return
+    for module, line in _imports(path):
+        assert not module.endswith("._reference") and module != "_reference", (
+            f"{rel}:{line} imports {module}; exact reference solvers are for tests, benchmarks "
+            "and the command-line tool only"
+        )
+
+
+def test_light_imports_do_not_pull_heavy_dependencies():
+    code = (
+        "import sys, lbkit, lbkit.core, lbkit.eplb\n"
+        "for name in ('lbkit.prefill', 'lbkit.decode'):\n"
+        "    try:\n"
+        "        __import__(name)\n"
+        "    except ModuleNotFoundError:\n"
+        "        pass\n"
+        "heavy = sorted(m for m in ('ortools', 'matplotlib', 'torch', 'hypothesis') if m in sys.modules)\n"
+        "print(','.join(heavy))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "", f"light imports pulled in: {out.stdout.strip()}"
