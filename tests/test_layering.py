@@ -1,9 +1,9 @@
 """The import layering of lbkit, enforced.
 
-``lbkit.core`` <- ``lbkit.prefill`` / ``lbkit.decode`` / ``lbkit.eplb`` (siblings never import each
-other) <- ``lbkit.sim`` <- ``lbkit.cli``. ``_reference`` modules (exact solvers) are imported only by
-tests, benchmarks and the command-line tool. Heavy optional dependencies are never imported by the
-light subpackages.
+``lbkit.core`` <- ``lbkit.prefill`` / ``lbkit.decode`` / ``lbkit.eplb`` (siblings never import
+each other) <- ``lbkit.sim`` <- ``lbkit.cli``. ``_reference`` modules (exact solvers) are imported
+only by tests, benchmarks and the command-line tool. Heavy optional dependencies are never
+imported by the light subpackages.
 """
 
 from __future__ import annotations
@@ -59,7 +59,9 @@ def test_imports_follow_layers(path: Path):
         where = f"{rel}:{line} imports {module}"
         if own_layer == -1:
             pytest.fail(f"{where}: top-level modules must stay light and import no subpackage")
-        assert LAYER[pkg] < own_layer, f"{where}: a layer-{own_layer} module imports layer {LAYER[pkg]}"
+        assert LAYER[pkg] < own_layer, (
+            f"{where}: a layer-{own_layer} module imports layer {LAYER[pkg]}"
+        )
 
 
 @pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(SRC)))
@@ -82,7 +84,8 @@ def test_light_imports_do_not_pull_heavy_dependencies():
         "        __import__(name)\n"
         "    except ModuleNotFoundError:\n"
         "        pass\n"
-        "heavy = sorted(m for m in ('ortools', 'matplotlib', 'torch', 'hypothesis') if m in sys.modules)\n"
+        "heavy = ('ortools', 'matplotlib', 'torch', 'hypothesis')\n"
+        "heavy = sorted(m for m in heavy if m in sys.modules)\n"
         "print(','.join(heavy))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

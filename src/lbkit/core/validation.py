@@ -106,7 +106,9 @@ def as_float_array(
     if out.size and not np.isfinite(out).all():
         bad = np.argwhere(~np.isfinite(out))[0]
         kind = "NaN" if np.isnan(out[tuple(bad)]) else "infinity"
-        raise ValueError(f"{name}: must be finite (found {kind} at index {tuple(int(i) for i in bad)})")
+        raise ValueError(
+            f"{name}: must be finite (found {kind} at index {tuple(int(i) for i in bad)})"
+        )
     if nonnegative and out.size and (out < 0).any():
         bad = np.argwhere(out < 0)[0]
         raise ValueError(
