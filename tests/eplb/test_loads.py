@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lbkit.eplb.loads import read_expert_load
+from lbkit.eplb.loads import logical_from_physical, read_expert_load
 from lbkit.eplb.synthetic import drift, synthetic_expert_load
 
 TRACES = Path(__file__).resolve().parents[2] / ".." / "shared" / "traces"
@@ -135,3 +135,17 @@ def test_drift_is_multiplicative_and_seeded():
     assert 0.05 < np.log(ratio).std() < 0.15
     with pytest.raises(ValueError, match="weight: must be non-negative"):
         drift([[-1.0]], sigma=0.1)
+
+
+def test_logical_from_physical_sums_replicas_and_recordings():
+    phy2log = np.array([[0, 1, 0, 2], [2, 2, 1, 0]])
+    rec = np.array([[[1, 2, 3, 4], [1, 1, 1, 1]], [[1, 0, 0, 0], [0, 0, 0, 5]]])
+    np.testing.assert_array_equal(
+        logical_from_physical(rec, phy2log, num_experts=3), [[5, 2, 4], [5, 1, 2]]
+    )
+    with pytest.raises(ValueError, match="phy2log: entries must be <= 2"):
+        logical_from_physical(rec, phy2log + 1, num_experts=3)
+    with pytest.raises(ValueError, match="phy2log: must have shape"):
+        logical_from_physical(rec, phy2log[:, :2], num_experts=3)
+    with pytest.raises(ValueError, match="physical_load: must have shape"):
+        logical_from_physical([1.0, 2.0], phy2log, num_experts=3)

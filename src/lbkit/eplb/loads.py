@@ -23,9 +23,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from lbkit.core.validation import as_float_array
+from lbkit.core.validation import as_float_array, as_int_array, check_int
 
-__all__ = ["ExpertLoad", "read_expert_load"]
+__all__ = ["ExpertLoad", "logical_from_physical", "read_expert_load"]
 
 FORMATS = ("json", "npy", "npz", "csv")
 
@@ -198,3 +198,45 @@ def _read_csv(path: Path) -> Any:
     if not rows:
         raise ValueError(f"{path.name}: no data rows")
     return np.array(rows, dtype=np.float64)
+
+
+def logical_from_physical(physical_load: Any, phy2log: Any, /, *, num_experts: int) -> np.ndarray:
+    """Sum per-slot (physical) loads into per-expert (logical) loads.
+
+    Engines that already run a placement often record load per physical slot (vLLM's EPLB keeps
+    a window of per-physical-expert token counts). Planning needs logical loads: the tokens of
+    all replicas of an expert added up.
+
+    Parameters
+    ----------
+    physical_load : array_like, shape (layers, slots) or (recordings, layers, slots)
+        Tokens routed to each physical slot; a leading recordings axis is summed.
+    phy2log : array_like of int, shape (layers, slots)
+        Logical expert of each slot under the placement that produced the recording.
+    num_experts : int
+        Number of logical experts.
+
+    Returns
+    -------
+    ndarray of float64, shape (layers, num_experts)
+
+    Runtime complexity: O(recordings × layers × slots).
+
+    Examples
+    --------
+    >>> logical_from_physical([[5, 3, 2, 4]], [[0, 1, 0, 2]], num_experts=3)
+    array([[7., 3., 4.]])
+    """
+    load = as_float_array(physical_load, "physical_load", nonnegative=True)
+    if load.ndim == 3:
+        load = load.sum(axis=0)
+    if load.ndim != 2:
+        raise ValueError(
+            f"physical_load: must have shape (layers, slots) or (recordings, layers, slots), "
+            f"got {load.shape}"
+        )
+    num_experts = check_int(num_experts, "num_experts", min_value=1)
+    p2l = as_int_array(phy2log, "phy2log", shape=load.shape, min_value=0, max_value=num_experts - 1)
+    out = np.zeros((load.shape[0], num_experts))
+    np.add.at(out, (np.arange(load.shape[0])[:, None], p2l), load)
+    return out
