@@ -141,7 +141,7 @@ def test_logical_from_physical_sums_replicas_and_recordings():
     phy2log = np.array([[0, 1, 0, 2], [2, 2, 1, 0]])
     rec = np.array([[[1, 2, 3, 4], [1, 1, 1, 1]], [[1, 0, 0, 0], [0, 0, 0, 5]]])
     np.testing.assert_array_equal(
-        logical_from_physical(rec, phy2log, num_experts=3), [[5, 2, 4], [5, 1, 2]]
+        logical_from_physical(rec, phy2log, num_experts=3), [[5, 2, 4], [6, 1, 2]]
     )
     with pytest.raises(ValueError, match="phy2log: entries must be <= 2"):
         logical_from_physical(rec, phy2log + 1, num_experts=3)
