@@ -1,0 +1,1 @@
+"""Prefill balancer: length buckets, engine apportionment, rank choice and chunk planning."""

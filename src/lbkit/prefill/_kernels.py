@@ -1,0 +1,90 @@
+"""numba kernels of the prefill balancer (clean arrays only; see ``apportion.py``).
+
+Plain loops over ``float64`` demands and ``int64`` counts that also run with
+``NUMBA_DISABLE_JIT=1``. Tie-breaks: the lowest index wins.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from lbkit.core._jit import jit
+
+__all__ = ["divisor_apportion", "partition_min_max", "warmup"]
+
+
+@jit
+def divisor_apportion(demand, num_engines, lower, upper, offset, out):
+    """Divisor-method apportionment with bounds, written into ``out``.
+
+    Starts from ``out = lower`` and gives each further engine to the bucket with the largest
+    priority ``demand[j] / (out[j] + offset)`` among buckets below their ``upper`` bound (lowest
+    index on ties). ``offset`` 0 is Adams (a non-empty bucket with no engine has infinite
+    priority), 0.5 Webster (Sainte-Laguë), 1 D'Hondt (Jefferson). A bucket without demand has
+    priority 0. The caller guarantees ``sum(lower) <= num_engines <= sum(upper)``.
+    """
+    n = demand.shape[0]
+    given = 0
+    for j in range(n):
+        out[j] = lower[j]
+        given += lower[j]
+    for _ in range(num_engines - given):
+        best = -1
+        best_p = -1.0
+        for j in range(n):
+            if out[j] >= upper[j]:
+                continue
+            d = out[j] + offset
+            if demand[j] <= 0.0:
+                p = 0.0
+            elif d <= 0.0:
+                p = np.inf
+            else:
+                p = demand[j] / d
+            if p > best_p:
+                best_p = p
+                best = j
+        out[best] += 1
+    return out
+
+
+@jit
+def partition_min_max(demand, num_groups, starts):
+    """Split ``demand`` into ``num_groups`` contiguous non-empty groups minimising the max sum.
+
+    Dynamic programme over (groups, prefix length); the smallest split index wins ties. Writes
+    the start index of each group into ``starts`` (length ``num_groups``) and returns the
+    optimal maximum group sum. Requires ``1 <= num_groups <= len(demand)``.
+    """
+    n = demand.shape[0]
+    best = np.full((num_groups + 1, n + 1), np.inf)
+    split = np.zeros((num_groups + 1, n + 1), dtype=np.int64)
+    best[0, 0] = 0.0
+    for g in range(1, num_groups + 1):
+        for i in range(g, n + 1):
+            for k in range(g - 1, i):
+                s = 0.0
+                for t in range(k, i):
+                    s += demand[t]
+                v = best[g - 1, k]
+                if s > v:
+                    v = s
+                if v < best[g, i]:
+                    best[g, i] = v
+                    split[g, i] = k
+    i = n
+    for g in range(num_groups, 0, -1):
+        k = split[g, i]
+        starts[g - 1] = k
+        i = k
+    return best[num_groups, n]
+
+
+def warmup() -> None:
+    """Compile every kernel of this module on tiny inputs."""
+    demand = np.array([3.0, 0.0, 1.0])
+    out = np.zeros(3, dtype=np.int64)
+    divisor_apportion(
+        demand, 4, np.zeros(3, dtype=np.int64), np.full(3, 4, dtype=np.int64), 0.0, out
+    )
+    partition_min_max(demand, 2, np.zeros(2, dtype=np.int64))
