@@ -1,1 +1,58 @@
-"""Prefill balancer: length buckets, engine apportionment, rank choice and chunk planning."""
+"""Prefill balancer: length buckets, engine apportionment, rank choice and chunk planning.
+
+Pure decision functions (numpy in, indices or NamedTuples out):
+
+- :func:`bucket_of`: length bucket of each request (``buckets.py``);
+- :func:`allocate_engines`: engines per bucket, Adams' method by default (``apportion.py``);
+- :func:`rebalance`: one hysteresis step of engine moves (``hysteresis.py``);
+- :func:`pick_rank`: least quota load, lowest index on ties (``ranks.py``);
+- :func:`plan_chunks`: one step of a rank's FIFO queue under a time budget (``chunking.py``).
+
+:class:`PrefillBalancer` (``balancer.py``) embeds them in a router.
+"""
+
+from lbkit.prefill.apportion import (
+    DEFAULT_METHOD,
+    METHODS,
+    Allocation,
+    allocate_engines,
+    bottleneck,
+    serving_buckets,
+)
+from lbkit.prefill.balancer import (
+    REASONS,
+    EnginePlan,
+    PrefillBalancer,
+    PrefillStatistics,
+    ReportResult,
+    RoundResult,
+    RouteDecision,
+)
+from lbkit.prefill.buckets import DEFAULT_EDGES, bucket_of
+from lbkit.prefill.chunking import ChunkPlan, plan_chunks
+from lbkit.prefill.hysteresis import Move, Rebalance, rebalance
+from lbkit.prefill.ranks import pick_rank
+
+__all__ = [
+    "DEFAULT_EDGES",
+    "DEFAULT_METHOD",
+    "METHODS",
+    "REASONS",
+    "Allocation",
+    "ChunkPlan",
+    "EnginePlan",
+    "Move",
+    "PrefillBalancer",
+    "PrefillStatistics",
+    "Rebalance",
+    "ReportResult",
+    "RoundResult",
+    "RouteDecision",
+    "allocate_engines",
+    "bottleneck",
+    "bucket_of",
+    "pick_rank",
+    "plan_chunks",
+    "rebalance",
+    "serving_buckets",
+]

@@ -1,0 +1,1022 @@
+"""``PrefillBalancer``: the stateful prefill router that a serving front end embeds.
+
+It keeps the ledger a router must remember and calls the pure functions of this package:
+
+- **route** a request to its length bucket (:func:`bucket_of`), then to the least-loaded rank of
+  the engines serving that bucket (:func:`pick_rank`'s rule), charging the rank the request's
+  quota (:meth:`QuadraticCost.quota` of its uncached tokens);
+- **chunk_done / finish** record progress: the rank's quota load falls by the quota of the work
+  done;
+- **end_round** re-plans the engines of each bucket from the round's demand, EMA-smoothed
+  (:func:`rebalance`: Adams' apportionment under hysteresis);
+- **remove_engine / restore_engine** take an engine out of service (its requests are re-routed
+  and returned, none lost) and back;
+- **report** ingests engine-reported progress by sequence number (stale reports are ignored) and
+  measures how far the ledger had drifted;
+- **plan_engine** runs :func:`plan_chunks` on each rank's FIFO queue;
+- **statistics / _check / state_dict / from_state_dict**.
+
+Quota accounting
+----------------
+A request's *remaining quota* is ``cost.quota(remaining_tokens, cached_tokens + done_tokens)``:
+the work of its remaining tokens as if run in one chunk. A rank's quota load is the sum of the
+remaining quotas of its requests. After ``chunk_done`` the remaining quota is recomputed, so the
+load falls by ``quota(before) - quota(after)``. With the physical tie ``q = k/2`` (and
+``gamma = 0``) this is exactly the work of the chunk, whatever the chunking. Otherwise it is not
+the chunk's work (``q > k/2`` charges chunking less than the one-chunk estimate, ``q < k/2``
+more), but the decrements still telescope: the load is always the remaining quota of what is left
+and returns to zero when the request finishes.
+
+Moving engines
+--------------
+A moving engine stops taking new work at once and joins its new bucket when its queue is empty
+(it drains; it does not hand its queue back: the prefill already done on it, and the KV it holds,
+would be lost). An engine taken out of service, in contrast, hands its requests back: they are
+re-routed from the start of their uncached tokens (``done`` resets to 0).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from lbkit.core.cost import QuadraticCost
+from lbkit.core.validation import (
+    as_int_array,
+    as_rng,
+    check_choice,
+    check_int,
+    check_real,
+)
+from lbkit.prefill.apportion import (
+    DEFAULT_METHOD,
+    METHODS,
+    _allocate_iv,
+    _serving,
+    allocate_engines,
+)
+from lbkit.prefill.buckets import DEFAULT_EDGES, check_edges
+from lbkit.prefill.chunking import ChunkPlan, plan_chunks
+from lbkit.prefill.hysteresis import Move, rebalance
+
+__all__ = [
+    "REASONS",
+    "EnginePlan",
+    "PrefillBalancer",
+    "PrefillStatistics",
+    "ReportResult",
+    "RoundResult",
+    "RouteDecision",
+]
+
+#: Reason codes of a :class:`RouteDecision`: routed to the bucket's own engines, to the engines
+#: of the neighbouring bucket that serves it (it has none of its own), spilled over to a
+#: neighbouring bucket's engines, or refused because no engine is in service.
+REASONS = ("own_bucket", "shared_bucket", "spill", "no_engine")
+
+_ACTIVE, _DRAINING, _OUT = 0, 1, 2
+_STATE_NAMES = ("active", "draining", "out")
+_STATE_VERSION = 1
+
+
+class RouteDecision(NamedTuple):
+    """Where a request went: ``engine``, ``rank`` (-1 when refused), ``bucket`` and ``reason``."""
+
+    engine: int
+    rank: int
+    bucket: int
+    reason: str
+
+
+class RoundResult(NamedTuple):
+    """Result of :meth:`PrefillBalancer.end_round`.
+
+    Attributes
+    ----------
+    moves : tuple of Move
+        Engines that change bucket (each drains, then joins its new bucket).
+    demand : tuple of float
+        EMA-smoothed demand per bucket, quota seconds per second.
+    engines : tuple of int
+        Engines per bucket after the moves (draining engines counted at their new bucket).
+    bottleneck_before, bottleneck_after : float
+        Demand per engine of the busiest group before and after the moves.
+    """
+
+    moves: tuple[Move, ...]
+    demand: tuple[float, ...]
+    engines: tuple[int, ...]
+    bottleneck_before: float
+    bottleneck_after: float
+
+
+class ReportResult(NamedTuple):
+    """Result of :meth:`PrefillBalancer.report`.
+
+    Attributes
+    ----------
+    accepted : bool
+        False when the report's sequence number is not newer than the last accepted one.
+    drift_s : float
+        Sum over reported requests of ``|ledger remaining quota - reported remaining quota|``
+        before reconciliation, seconds.
+    unknown : tuple
+        Reported request ids that the ledger does not hold on this engine (ignored).
+    missing : tuple
+        Requests the ledger holds on this engine that the report does not mention (kept).
+    """
+
+    accepted: bool
+    drift_s: float
+    unknown: tuple[Hashable, ...]
+    missing: tuple[Hashable, ...]
+
+
+class EnginePlan(NamedTuple):
+    """One step of an engine: per rank, the scheduled request ids and their :class:`ChunkPlan`.
+
+    ``step_time_s`` is the slowest rank's predicted time (the ranks step synchronously).
+    """
+
+    request_ids: tuple[tuple[Hashable, ...], ...]
+    plans: tuple[ChunkPlan, ...]
+    step_time_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillStatistics:
+    """Snapshot of a :class:`PrefillBalancer` (plain tuples; safe to keep).
+
+    Per bucket: ``bucket_demand`` (EMA of quota s/s), ``bucket_round_quota`` (quota arrived this
+    round, s), ``bucket_engines`` (active engines), ``bucket_draining`` (engines draining towards
+    it), ``bucket_server`` (bucket whose engines serve it, -1 if none), ``bucket_queued`` and
+    ``bucket_queued_quota`` (requests of the bucket in the ledger and their remaining quota, s).
+    Per rank (flat ``engine * ranks_per_engine + rank``): ``rank_load`` (quota load, s).
+    Per engine: ``engine_bucket`` (home bucket) and ``engine_state``
+    (``"active"``, ``"draining"``, ``"out"``). Counters: requests ``queued`` (in the ledger,
+    queued or running), ``routed`` (admitted), ``finished``, ``refused``, ``handed_back``,
+    ``rerouted``; ``moves`` and ``rounds`` so far; reports ``reports_accepted`` and
+    ``reports_stale``; ledger drift ``drift_last_s`` and ``drift_max_s``.
+    """
+
+    bucket_demand: tuple[float, ...]
+    bucket_round_quota: tuple[float, ...]
+    bucket_engines: tuple[int, ...]
+    bucket_draining: tuple[int, ...]
+    bucket_server: tuple[int, ...]
+    bucket_queued: tuple[int, ...]
+    bucket_queued_quota: tuple[float, ...]
+    rank_load: tuple[float, ...]
+    engine_bucket: tuple[int, ...]
+    engine_state: tuple[str, ...]
+    queued: int
+    routed: int
+    finished: int
+    refused: int
+    handed_back: int
+    rerouted: int
+    moves: int
+    rounds: int
+    reports_accepted: int
+    reports_stale: int
+    drift_last_s: float
+    drift_max_s: float
+
+
+class _Request:
+    __slots__ = ("bucket", "cached", "done", "quota", "rank", "rid", "total")
+
+    def __init__(self, rid, rank, bucket, total, cached, done, quota):
+        self.rid = rid
+        self.rank = rank
+        self.bucket = bucket
+        self.total = total
+        self.cached = cached
+        self.done = done
+        self.quota = quota
+
+
+def _tokens(value: Any, name: str) -> int:
+    if type(value) is int and value >= 0:
+        return value
+    return check_int(value, name, min_value=0)
+
+
+def _time(value: Any) -> float:
+    return check_real(value, "now_s")
+
+
+class PrefillBalancer:
+    """Route prefill requests to engines and ranks of a pool, re-planning engines per bucket.
+
+    Parameters
+    ----------
+    num_engines : int
+        Engines in the pool (>= 1).
+    ranks_per_engine : int
+        DP ranks of each engine (>= 1); rank ``r`` of engine ``e`` has flat index
+        ``e * ranks_per_engine + r``.
+    cost : QuadraticCost
+        Prefill step-cost model of one rank (see :data:`lbkit.core.PRESETS`).
+    edges : sequence of int, default ``DEFAULT_EDGES``
+        Bucket edges in tokens (lower edge inclusive).
+    round_s : float, default 30
+        Nominal round length; :meth:`round_due` tells the caller when to call :meth:`end_round`.
+    ema_alpha : float in (0, 1], default 0.5
+        Weight of the latest round in the demand EMA (1: no smoothing).
+    deadband, max_moves, min_dwell_s
+        Hysteresis of :func:`rebalance`: relative improvement needed (0.1), moves per round
+        at most (2), seconds before an engine may move again (60).
+    method : str, default "adams"
+        Apportionment method (``METHODS``).
+    min_engines, max_engines : sequence of int, optional
+        Per-bucket bounds; dropped for a round in which the in-service engines cannot meet them.
+    initial_engines : sequence of int, optional
+        Engines per bucket at start; default: the pool spread evenly (lowest buckets first).
+        Engines are given to buckets in index order (engine 0 to the lowest bucket).
+    spill_ratio : float, optional
+        Spill-over: send a request to a neighbouring bucket's engines when the least quota load
+        among its own is above ``spill_ratio`` times the neighbour's. Off by default.
+    sample : int, optional
+        Power-of-d choices among the bucket's ranks (with ``rng``) instead of the full argmin.
+    rng : numpy Generator, int seed or None
+        Randomness for ``sample``.
+    now_s : float, default 0
+        Start of the first round, seconds.
+
+    Examples
+    --------
+    >>> from lbkit.core import PRESETS
+    >>> bal = PrefillBalancer(4, 2, cost=PRESETS["h800_dsv3"].prefill)
+    >>> bal.route("a", 20000, 4096, now_s=0.0)
+    RouteDecision(engine=1, rank=0, bucket=1, reason='own_bucket')
+    >>> bal.route("b", 20000, 0, now_s=0.1)
+    RouteDecision(engine=1, rank=1, bucket=1, reason='own_bucket')
+    >>> bal.chunk_done("a", 15904, now_s=1.0)
+    0
+    >>> bal.finish("a", now_s=1.0)
+    0
+    >>> bal.statistics().queued
+    1
+    >>> bal._check()
+    """
+
+    def __init__(
+        self,
+        num_engines: int,
+        ranks_per_engine: int,
+        *,
+        cost: QuadraticCost,
+        edges: Any = DEFAULT_EDGES,
+        round_s: float = 30.0,
+        ema_alpha: float = 0.5,
+        deadband: float = 0.1,
+        max_moves: int = 2,
+        min_dwell_s: float = 60.0,
+        method: str = DEFAULT_METHOD,
+        min_engines: Any = None,
+        max_engines: Any = None,
+        initial_engines: Any = None,
+        spill_ratio: float | None = None,
+        sample: int | None = None,
+        rng: np.random.Generator | int | None = None,
+        now_s: float = 0.0,
+    ) -> None:
+        self._num_engines = check_int(num_engines, "num_engines", min_value=1)
+        self._ranks = check_int(ranks_per_engine, "ranks_per_engine", min_value=1)
+        if not isinstance(cost, QuadraticCost):
+            raise TypeError(f"cost: must be a QuadraticCost, got {type(cost).__name__}")
+        self._cost = cost
+        self._edges = check_edges(edges)
+        nb = len(self._edges) + 1
+        self._round_s = check_real(round_s, "round_s", min_value=0.0, strict_min=True)
+        self._alpha = check_real(
+            ema_alpha, "ema_alpha", min_value=0.0, max_value=1.0, strict_min=True
+        )
+        self._deadband = check_real(deadband, "deadband", min_value=0.0, max_value=1.0)
+        self._max_moves = check_int(max_moves, "max_moves", min_value=0)
+        self._min_dwell_s = check_real(min_dwell_s, "min_dwell_s", min_value=0.0)
+        self._method = check_choice(method, "method", tuple(METHODS))
+        e = self._num_engines
+        self._min_engines = (
+            None
+            if min_engines is None
+            else as_int_array(min_engines, "min_engines", shape=(nb,), min_value=0)
+        )
+        self._max_engines = (
+            None
+            if max_engines is None
+            else as_int_array(max_engines, "max_engines", shape=(nb,), min_value=0)
+        )
+        _allocate_iv(np.zeros(nb), e, self._min_engines, self._max_engines)  # feasibility
+        self._spill = (
+            None if spill_ratio is None else check_real(spill_ratio, "spill_ratio", min_value=1.0)
+        )
+        self._sample = None if sample is None else check_int(sample, "sample", min_value=1)
+        self._rng = as_rng(rng)
+        now = _time(now_s)
+        if initial_engines is None:
+            counts = allocate_engines(
+                np.zeros(nb), e, min_engines=self._min_engines, max_engines=self._max_engines
+            ).engines
+        else:
+            counts = as_int_array(initial_engines, "initial_engines", shape=(nb,), min_value=0)
+            if counts.sum() != e:
+                raise ValueError(
+                    f"initial_engines: must sum to num_engines ({e}), got {int(counts.sum())}"
+                )
+        n = e * self._ranks
+        self._home = np.repeat(np.arange(nb, dtype=np.int64), counts)
+        self._state = np.zeros(e, dtype=np.int8)
+        self._last_move = np.full(e, -np.inf)
+        self._seq = np.full(e, -1, dtype=np.int64)
+        self._load = np.zeros(n)  # in slot order (see _rebuild)
+        self._slot: list[int] = list(range(n))  # flat rank -> slot
+        self._rank_at: list[int] = list(range(n))  # slot -> flat rank
+        self._lo: list[int] = [0] * nb
+        self._hi: list[int] = [0] * nb
+        self._server: list[int] = [-1] * nb
+        self._queues: list[dict[Hashable, _Request]] = [{} for _ in range(n)]
+        self._requests: dict[Hashable, _Request] = {}
+        self._round_quota = [0.0] * nb
+        self._round_start = now
+        self._demand = np.zeros(nb)
+        self._counts = {
+            "routed": 0, "finished": 0, "refused": 0, "handed_back": 0, "rerouted": 0,
+            "moves": 0, "rounds": 0, "reports_accepted": 0, "reports_stale": 0,
+        }  # fmt: skip
+        self._drift_last = 0.0
+        self._drift_max = 0.0
+        self._rebuild()
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def num_buckets(self) -> int:
+        """Number of length buckets."""
+        return len(self._edges) + 1
+
+    @property
+    def num_ranks(self) -> int:
+        """Ranks in the pool (``num_engines * ranks_per_engine``)."""
+        return self._num_engines * self._ranks
+
+    @property
+    def edges(self) -> tuple[int, ...]:
+        """Bucket edges in tokens."""
+        return self._edges
+
+    @property
+    def cost(self) -> QuadraticCost:
+        """The step-cost model."""
+        return self._cost
+
+    def rank_loads(self) -> np.ndarray:
+        """Quota load per rank in flat order, shape (num_ranks,), seconds (a copy)."""
+        return self._load[np.asarray(self._slot, dtype=np.int64)]
+
+    def requests_on(self, engine: int, rank: int) -> tuple[Hashable, ...]:
+        """Request ids queued or running on a rank, in FIFO order."""
+        engine = self._engine_iv(engine)
+        rank = check_int(rank, "rank", min_value=0, max_value=self._ranks - 1)
+        return tuple(self._queues[engine * self._ranks + rank])
+
+    def round_due(self, now_s: float) -> bool:
+        """Whether ``round_s`` seconds have passed since the current round started."""
+        return _time(now_s) - self._round_start >= self._round_s
+
+    # ------------------------------------------------------------------ routing
+    def _rebuild(self) -> None:
+        """Recompute the routing slices after engines changed state or bucket."""
+        nb = self.num_buckets
+        r = self._ranks
+        flat_load = self._load[np.asarray(self._slot, dtype=np.int64)]
+        active = self._state == _ACTIVE
+        counts = np.bincount(self._home[active], minlength=nb)
+        server = _serving(counts)
+        order: list[int] = []
+        start = [0] * nb
+        stop = [0] * nb
+        for j in range(nb):
+            start[j] = len(order)
+            for e in np.flatnonzero(active & (self._home == j)).tolist():
+                order.extend(range(e * r, e * r + r))
+            stop[j] = len(order)
+        rest = np.flatnonzero(~active).tolist()
+        for e in rest:
+            order.extend(range(e * r, e * r + r))
+        self._rank_at = order
+        slot = [0] * len(order)
+        for s, f in enumerate(order):
+            slot[f] = s
+        self._slot = slot
+        self._load = flat_load[np.asarray(order, dtype=np.int64)]
+        self._server = server.tolist()
+        self._lo = [start[h] if h >= 0 else 0 for h in self._server]
+        self._hi = [stop[h] if h >= 0 else 0 for h in self._server]
+
+    def _quota(self, remaining: int, prefix: int) -> float:
+        c = self._cost
+        return (
+            remaining * (c.b + c.k * prefix + c.q * remaining) + c.gamma * prefix
+            if remaining
+            else 0.0
+        )
+
+    def _choose(self, bucket: int) -> tuple[int, str]:
+        """Slot for a new request of ``bucket`` (-1 if no engine) and the reason."""
+        lo = self._lo[bucket]
+        hi = self._hi[bucket]
+        if lo == hi:
+            return -1, "no_engine"
+        load = self._load
+        if self._sample is None or self._sample >= hi - lo:
+            slot = lo + int(load[lo:hi].argmin())
+        else:
+            pick = np.sort(self._rng.choice(hi - lo, size=self._sample, replace=False)) + lo
+            slot = int(pick[np.argmin(load[pick])])
+        reason = "own_bucket" if self._server[bucket] == bucket else "shared_bucket"
+        if self._spill is not None:
+            best = load[slot]
+            for nbr in (bucket - 1, bucket + 1):
+                if not 0 <= nbr < len(self._lo) or self._server[nbr] == self._server[bucket]:
+                    continue
+                nlo, nhi = self._lo[nbr], self._hi[nbr]
+                if nlo == nhi:
+                    continue
+                ns = nlo + int(load[nlo:nhi].argmin())
+                if load[slot] > self._spill * load[ns] and load[ns] < best:
+                    slot, best, reason = ns, load[ns], "spill"
+        return slot, reason
+
+    def route(
+        self, request_id: Hashable, total_tokens: int, cached_tokens: int = 0, *, now_s: float
+    ) -> RouteDecision:
+        """Route a new request; charge its quota to the chosen rank.
+
+        Parameters
+        ----------
+        request_id : int or str
+            Unique among the requests in the ledger (may be reused after ``finish``).
+        total_tokens : int
+            Prompt length including the cached prefix (>= 1).
+        cached_tokens : int, default 0
+            Prefix already in KV cache (``0 <= cached_tokens <= total_tokens``).
+        now_s : float
+            Current time, seconds.
+
+        Returns
+        -------
+        RouteDecision
+            ``engine``, ``rank``, ``bucket``, ``reason`` (see ``REASONS``); ``engine = rank = -1``
+            with reason ``"no_engine"`` when no engine is in service (the request is refused and
+            not kept).
+
+        Raises
+        ------
+        ValueError
+            Negative or non-integer tokens, ``cached_tokens > total_tokens``, zero tokens, or a
+            duplicate id. Nothing changes when a call raises.
+        TypeError
+            An id that is neither int nor str.
+
+        Runtime complexity: O(ranks of the bucket's engines) (a numpy argmin over a slice).
+        """
+        if not (
+            type(total_tokens) is int
+            and type(cached_tokens) is int
+            and 0 <= cached_tokens <= total_tokens
+            and total_tokens > 0
+            and type(now_s) is float
+        ):
+            total_tokens, cached_tokens, now_s = self._route_iv(total_tokens, cached_tokens, now_s)
+        if type(request_id) is not int and type(request_id) is not str:
+            raise TypeError(f"request_id: must be an int or a str, got {type(request_id).__name__}")
+        if request_id in self._requests:
+            raise ValueError(f"request_id: {request_id!r} is already in the ledger")
+        bucket = bisect.bisect_right(self._edges, total_tokens)
+        quota = self._quota(total_tokens - cached_tokens, cached_tokens)
+        self._round_quota[bucket] += quota
+        slot, reason = self._choose(bucket)
+        if slot < 0:
+            self._counts["refused"] += 1
+            return RouteDecision(-1, -1, bucket, reason)
+        self._load[slot] += quota
+        flat = self._rank_at[slot]
+        req = _Request(request_id, flat, bucket, total_tokens, cached_tokens, 0, quota)
+        self._requests[request_id] = req
+        self._queues[flat][request_id] = req
+        self._counts["routed"] += 1
+        return RouteDecision(flat // self._ranks, flat % self._ranks, bucket, reason)
+
+    @staticmethod
+    def _route_iv(total_tokens: Any, cached_tokens: Any, now_s: Any) -> tuple[int, int, float]:
+        total = _tokens(total_tokens, "total_tokens")
+        cached = _tokens(cached_tokens, "cached_tokens")
+        if total == 0:
+            raise ValueError("total_tokens: must be >= 1, got 0")
+        if cached > total:
+            raise ValueError(f"cached_tokens: must be <= total_tokens ({total}), got {cached}")
+        return total, cached, _time(now_s)
+
+    def _get(self, request_id: Hashable) -> _Request:
+        try:
+            return self._requests[request_id]
+        except (KeyError, TypeError):
+            raise KeyError(f"request_id: unknown request {request_id!r}") from None
+
+    # ------------------------------------------------------------------ progress
+    def _advance(self, req: _Request, done: int) -> float:
+        """Set ``req.done``; update quota and load; return |quota change|."""
+        new = self._quota(req.total - req.cached - done, req.cached + done)
+        delta = req.quota - new
+        req.done = done
+        req.quota = new
+        self._load[self._slot[req.rank]] -= delta
+        return abs(delta)
+
+    def chunk_done(self, request_id: Hashable, tokens: int, *, now_s: float) -> int:
+        """Record that ``tokens`` more tokens of a request were prefilled.
+
+        Returns
+        -------
+        int
+            Tokens of the request still to prefill.
+
+        Raises
+        ------
+        KeyError
+            Unknown request id.
+        ValueError
+            Negative or non-integer ``tokens``, or more than the request has left.
+        """
+        req = self._get(request_id)
+        tokens = _tokens(tokens, "tokens")
+        _time(now_s)
+        left = req.total - req.cached - req.done
+        if tokens > left:
+            raise ValueError(
+                f"tokens: request {request_id!r} has {left} tokens left to prefill, got {tokens}"
+            )
+        self._advance(req, req.done + tokens)
+        return left - tokens
+
+    def finish(self, request_id: Hashable, *, now_s: float) -> int:
+        """Remove a request from the ledger (finished, or aborted by the caller).
+
+        Returns
+        -------
+        int
+            Tokens that were never reported done (0 for a request that completed normally).
+        """
+        req = self._get(request_id)
+        _time(now_s)
+        left = req.total - req.cached - req.done
+        self._drop(req)
+        self._counts["finished"] += 1
+        self._maybe_join(req.rank // self._ranks)
+        return left
+
+    def _drop(self, req: _Request) -> None:
+        del self._requests[req.rid]
+        queue = self._queues[req.rank]
+        del queue[req.rid]
+        slot = self._slot[req.rank]
+        if queue:
+            self._load[slot] = math.fsum(r.quota for r in queue.values())
+        else:
+            self._load[slot] = 0.0
+
+    def _engine_requests(self, engine: int) -> int:
+        r = self._ranks
+        return sum(len(self._queues[f]) for f in range(engine * r, engine * r + r))
+
+    def _maybe_join(self, engine: int) -> None:
+        if self._state[engine] == _DRAINING and self._engine_requests(engine) == 0:
+            self._state[engine] = _ACTIVE
+            self._rebuild()
+
+    # ------------------------------------------------------------------ rounds
+    def end_round(self, now_s: float) -> RoundResult:
+        """Close the round: update the demand EMA and move engines between buckets.
+
+        The round's demand per bucket is the quota routed to it divided by the round's length.
+        Engines are re-planned by :func:`rebalance` over the engines in service; engines that
+        move stop taking work and join their new bucket once drained (at once if idle).
+
+        Raises
+        ------
+        ValueError
+            ``now_s`` not after the start of the round.
+        """
+        now = _time(now_s)
+        elapsed = now - self._round_start
+        if not elapsed > 0:
+            raise ValueError(
+                f"now_s: must be after the start of the round ({self._round_start}), got {now}"
+            )
+        rate = np.asarray(self._round_quota) / elapsed
+        if self._counts["rounds"] == 0:
+            self._demand = rate
+        else:
+            self._demand = self._alpha * rate + (1.0 - self._alpha) * self._demand
+        bucket = np.where(self._state == _OUT, -1, self._home)
+        in_service = int((bucket >= 0).sum())
+        r = self._ranks
+        flat = self.rank_loads()
+        engine_load = flat.reshape(self._num_engines, r).sum(axis=1)
+        result = None
+        if in_service:
+            kwargs = dict(
+                now_s=now,
+                last_move_s=self._last_move,
+                movable=self._state == _ACTIVE,
+                engine_load=np.maximum(engine_load, 0.0),
+                deadband=self._deadband,
+                max_moves=self._max_moves,
+                min_dwell_s=self._min_dwell_s,
+                method=self._method,
+            )
+            try:
+                result = rebalance(
+                    bucket, self._demand, min_engines=self._min_engines,
+                    max_engines=self._max_engines, **kwargs,
+                )  # fmt: skip
+            except ValueError:  # bounds infeasible with the engines now in service
+                result = rebalance(bucket, self._demand, **kwargs)
+            for mv in result.moves:
+                self._home[mv.engine] = mv.to_bucket
+                self._last_move[mv.engine] = now
+                busy = self._engine_requests(mv.engine) > 0
+                self._state[mv.engine] = _DRAINING if busy else _ACTIVE
+            self._counts["moves"] += len(result.moves)
+            self._rebuild()
+        self._counts["rounds"] += 1
+        self._round_quota = [0.0] * self.num_buckets
+        self._round_start = now
+        counts = np.bincount(self._home[self._state != _OUT], minlength=self.num_buckets)
+        if result is None:
+            return RoundResult((), tuple(self._demand.tolist()), tuple(counts.tolist()),
+                               float("inf"), float("inf"))  # fmt: skip
+        return RoundResult(
+            result.moves,
+            tuple(self._demand.tolist()),
+            tuple(counts.tolist()),
+            result.bottleneck_before,
+            result.bottleneck_after,
+        )
+
+    # ------------------------------------------------------------------ engines
+    def _engine_iv(self, engine: Any) -> int:
+        return check_int(engine, "engine", min_value=0, max_value=self._num_engines - 1)
+
+    def remove_engine(
+        self, engine: int, *, now_s: float
+    ) -> tuple[tuple[Hashable, RouteDecision], ...]:
+        """Take an engine out of service; re-route its requests and return where they went.
+
+        The requests restart their uncached tokens elsewhere (prefill progress on the removed
+        engine is lost). If no engine is left in service they are handed back: removed from the
+        ledger and returned with reason ``"no_engine"``.
+
+        Raises
+        ------
+        ValueError
+            Unknown engine or an engine already out of service.
+        """
+        engine = self._engine_iv(engine)
+        _time(now_s)
+        if self._state[engine] == _OUT:
+            raise ValueError(f"engine: {engine} is already out of service")
+        self._state[engine] = _OUT
+        self._rebuild()
+        r = self._ranks
+        moved: list[tuple[Hashable, RouteDecision]] = []
+        for f in range(engine * r, engine * r + r):
+            for req in list(self._queues[f].values()):
+                self._drop(req)
+                slot, reason = self._choose(req.bucket)
+                if slot < 0:
+                    self._counts["handed_back"] += 1
+                    moved.append((req.rid, RouteDecision(-1, -1, req.bucket, reason)))
+                    continue
+                req.done = 0
+                req.quota = self._quota(req.total - req.cached, req.cached)
+                self._load[slot] += req.quota
+                req.rank = self._rank_at[slot]
+                self._requests[req.rid] = req
+                self._queues[req.rank][req.rid] = req
+                self._counts["rerouted"] += 1
+                moved.append(
+                    (req.rid, RouteDecision(req.rank // r, req.rank % r, req.bucket, reason))
+                )
+        return tuple(moved)
+
+    def restore_engine(self, engine: int, *, now_s: float, bucket: int | None = None) -> None:
+        """Put an engine back into service, in its previous bucket or in ``bucket``.
+
+        Raises
+        ------
+        ValueError
+            Unknown engine or bucket, or an engine that is in service.
+        """
+        engine = self._engine_iv(engine)
+        now = _time(now_s)
+        if self._state[engine] != _OUT:
+            raise ValueError(f"engine: {engine} is in service")
+        if bucket is not None:
+            bucket = check_int(bucket, "bucket", min_value=0, max_value=self.num_buckets - 1)
+            if bucket != self._home[engine]:
+                self._home[engine] = bucket
+                self._last_move[engine] = now
+        self._state[engine] = _ACTIVE
+        self._rebuild()
+
+    # ------------------------------------------------------------------ reports
+    def report(
+        self, engine: int, seq: int, progress: Mapping[Hashable, int], *, now_s: float
+    ) -> ReportResult:
+        """Reconcile the ledger with an engine's report of its requests' progress.
+
+        Parameters
+        ----------
+        engine : int
+        seq : int
+            Sequence number of the report (>= 0); a report not newer than the last accepted
+            one from this engine is stale and ignored.
+        progress : mapping of request id to int
+            Cumulative prefilled tokens of each request the engine holds.
+        now_s : float
+
+        Returns
+        -------
+        ReportResult
+            Reported progress beyond the ledger's is applied (progress never goes back: a
+            report older than a ``chunk_done`` call does not undo it). ``drift_s`` measures the
+            disagreement before reconciliation.
+
+        Raises
+        ------
+        ValueError
+            Bad engine or sequence number, or reported tokens outside ``[0, uncached tokens]``
+            (nothing is applied then).
+        """
+        engine = self._engine_iv(engine)
+        seq = check_int(seq, "seq", min_value=0)
+        _time(now_s)
+        if not isinstance(progress, Mapping):
+            raise TypeError(
+                "progress: must be a mapping of request id to tokens, got "
+                f"{type(progress).__name__}"
+            )
+        if seq <= self._seq[engine]:
+            self._counts["reports_stale"] += 1
+            return ReportResult(False, 0.0, (), ())
+        r = self._ranks
+        ranks = range(engine * r, engine * r + r)
+        known: list[tuple[_Request, int]] = []
+        unknown: list[Hashable] = []
+        for rid, tokens in progress.items():
+            req = self._requests.get(rid) if isinstance(rid, (int, str)) else None
+            if req is None or req.rank not in ranks:
+                unknown.append(rid)
+                continue
+            tokens = _tokens(tokens, f"progress[{rid!r}]")
+            if tokens > req.total - req.cached:
+                raise ValueError(
+                    f"progress[{rid!r}]: must be <= the request's uncached tokens "
+                    f"({req.total - req.cached}), got {tokens}"
+                )
+            known.append((req, tokens))
+        self._seq[engine] = seq
+        drift = 0.0
+        for req, tokens in known:
+            reported = self._quota(req.total - req.cached - tokens, req.cached + tokens)
+            drift += abs(req.quota - reported)
+            if tokens > req.done:
+                self._advance(req, tokens)
+        seen = {id(req) for req, _ in known}
+        missing = tuple(
+            rid for f in ranks for rid, req in self._queues[f].items() if id(req) not in seen
+        )
+        self._counts["reports_accepted"] += 1
+        self._drift_last = drift
+        self._drift_max = max(self._drift_max, drift)
+        return ReportResult(True, drift, tuple(unknown), missing)
+
+    # ------------------------------------------------------------------ planning
+    def plan_engine(
+        self, engine: int, *, budget_s: float, min_chunk: int = 1, align: int = 1
+    ) -> EnginePlan:
+        """Plan one synchronous step of an engine: :func:`plan_chunks` on each rank's queue.
+
+        Requests with nothing left to prefill are skipped. Does not change the ledger; report
+        the work with :meth:`chunk_done` once the step ran.
+        """
+        engine = self._engine_iv(engine)
+        r = self._ranks
+        ids: list[tuple[Hashable, ...]] = []
+        plans: list[ChunkPlan] = []
+        for f in range(engine * r, engine * r + r):
+            todo = [q for q in self._queues[f].values() if q.total - q.cached - q.done > 0]
+            plan = plan_chunks(
+                [q.total - q.cached - q.done for q in todo],
+                [q.cached + q.done for q in todo],
+                cost=self._cost,
+                budget_s=budget_s,
+                min_chunk=min_chunk,
+                align=align,
+            )
+            ids.append(tuple(q.rid for q in todo[: len(plan.chunk_tokens)]))
+            plans.append(plan)
+        step = max(p.step_time_s for p in plans)
+        return EnginePlan(tuple(ids), tuple(plans), step)
+
+    # ------------------------------------------------------------------ introspection
+    def statistics(self) -> PrefillStatistics:
+        """A snapshot of demand, engines, loads and counters (see :class:`PrefillStatistics`)."""
+        nb = self.num_buckets
+        active = self._state == _ACTIVE
+        queued = [0] * nb
+        qquota = [0.0] * nb
+        for req in self._requests.values():
+            queued[req.bucket] += 1
+            qquota[req.bucket] += req.quota
+        c = self._counts
+        return PrefillStatistics(
+            bucket_demand=tuple(self._demand.tolist()),
+            bucket_round_quota=tuple(self._round_quota),
+            bucket_engines=tuple(np.bincount(self._home[active], minlength=nb).tolist()),
+            bucket_draining=tuple(
+                np.bincount(self._home[self._state == _DRAINING], minlength=nb).tolist()
+            ),
+            bucket_server=tuple(self._server),
+            bucket_queued=tuple(queued),
+            bucket_queued_quota=tuple(qquota),
+            rank_load=tuple(self.rank_loads().tolist()),
+            engine_bucket=tuple(self._home.tolist()),
+            engine_state=tuple(_STATE_NAMES[s] for s in self._state.tolist()),
+            queued=len(self._requests),
+            routed=c["routed"],
+            finished=c["finished"],
+            refused=c["refused"],
+            handed_back=c["handed_back"],
+            rerouted=c["rerouted"],
+            moves=c["moves"],
+            rounds=c["rounds"],
+            reports_accepted=c["reports_accepted"],
+            reports_stale=c["reports_stale"],
+            drift_last_s=self._drift_last,
+            drift_max_s=self._drift_max,
+        )
+
+    def _check(self) -> None:
+        """Assert every internal invariant (for tests; O(requests + ranks))."""
+        n = self.num_ranks
+        nb = self.num_buckets
+        r = self._ranks
+        assert sorted(self._rank_at) == list(range(n)), "slots are not a permutation"
+        assert all(self._rank_at[self._slot[f]] == f for f in range(n)), "slot maps disagree"
+        flat = self.rank_loads()
+        seen = 0
+        for f, queue in enumerate(self._queues):
+            total = 0.0
+            scale = 0.0
+            for rid, req in queue.items():
+                assert self._requests.get(rid) is req, f"request {rid!r} on rank {f} not in ledger"
+                assert req.rank == f, f"request {rid!r} records rank {req.rank}, queued on {f}"
+                assert 0 <= req.done <= req.total - req.cached, f"request {rid!r} progress"
+                assert 0 <= req.cached <= req.total and req.total >= 1
+                assert req.bucket == bisect.bisect_right(self._edges, req.total)
+                want = self._quota(req.total - req.cached - req.done, req.cached + req.done)
+                assert math.isclose(req.quota, want, rel_tol=1e-12, abs_tol=0.0)
+                total += req.quota
+                scale = max(scale, req.quota)
+                seen += 1
+            tol = 1e-9 * max(scale, 1e-300) * (len(queue) + 1)
+            assert abs(flat[f] - total) <= tol, f"rank {f}: load {flat[f]} != quota sum {total}"
+            if not queue:
+                assert flat[f] == 0.0, f"rank {f}: empty queue with load {flat[f]}"
+            engine = f // r
+            assert not (queue and self._state[engine] == _OUT), f"engine {engine} is out, busy"
+        assert seen == len(self._requests), "a request is in the ledger but in no queue"
+        for e in range(self._num_engines):
+            if self._state[e] == _DRAINING:
+                assert self._engine_requests(e) > 0, f"engine {e} drains an empty queue"
+        assert ((self._home >= 0) & (self._home < nb)).all()
+        active = self._state == _ACTIVE
+        counts = np.bincount(self._home[active], minlength=nb)
+        assert self._server == _serving(counts).tolist(), "serving map is stale"
+        for j in range(nb):
+            h = self._server[j]
+            members = sorted(self._rank_at[self._lo[j] : self._hi[j]])
+            want = [f for e in np.flatnonzero(active & (self._home == h)).tolist()
+                    for f in range(e * r, e * r + r)] if h >= 0 else []  # fmt: skip
+            assert members == want, f"bucket {j}: routing slice is stale"
+            if active.any():
+                assert self._hi[j] > self._lo[j], f"bucket {j} has no engine to serve it"
+        c = self._counts
+        assert c["routed"] == len(self._requests) + c["finished"] + c["handed_back"], (
+            "routed requests are not all queued, finished or handed back"
+        )
+
+    # ------------------------------------------------------------------ persistence
+    def state_dict(self) -> dict[str, Any]:
+        """The configuration and state as JSON-serialisable plain types.
+
+        Request ids must be ints or strs (``route`` enforces it). ``from_state_dict`` of the
+        result continues exactly where this balancer stands, including the sampling rng.
+        """
+        c = self._cost
+        return {
+            "version": _STATE_VERSION,
+            "config": {
+                "num_engines": self._num_engines,
+                "ranks_per_engine": self._ranks,
+                "cost": {"a": c.a, "b": c.b, "k": c.k, "q": c.q, "gamma": c.gamma},
+                "edges": list(self._edges),
+                "round_s": self._round_s,
+                "ema_alpha": self._alpha,
+                "deadband": self._deadband,
+                "max_moves": self._max_moves,
+                "min_dwell_s": self._min_dwell_s,
+                "method": self._method,
+                "min_engines": None if self._min_engines is None else self._min_engines.tolist(),
+                "max_engines": None if self._max_engines is None else self._max_engines.tolist(),
+                "spill_ratio": self._spill,
+                "sample": self._sample,
+            },
+            "state": {
+                "engine_bucket": self._home.tolist(),
+                "engine_state": self._state.tolist(),
+                "last_move_s": [None if t == -np.inf else t for t in self._last_move.tolist()],
+                "seq": self._seq.tolist(),
+                "rank_load": self.rank_loads().tolist(),
+                "requests": [
+                    [q.rid, q.rank, q.total, q.cached, q.done, q.quota]
+                    for queue in self._queues
+                    for q in queue.values()
+                ],
+                "round_quota": list(self._round_quota),
+                "round_start_s": self._round_start,
+                "demand": self._demand.tolist(),
+                "counts": dict(self._counts),
+                "drift_last_s": self._drift_last,
+                "drift_max_s": self._drift_max,
+                "rng": self._rng.bit_generator.state,
+            },
+        }
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, Any]) -> PrefillBalancer:
+        """Rebuild a balancer from :meth:`state_dict` output (e.g. after ``json.loads``).
+
+        Raises
+        ------
+        ValueError
+            Unknown version or an inconsistent state (checked with :meth:`_check`).
+        """
+        if not isinstance(state, Mapping) or state.get("version") != _STATE_VERSION:
+            raise ValueError(f"state: expected a state_dict of version {_STATE_VERSION}")
+        cfg = dict(state["config"])
+        cfg["cost"] = QuadraticCost(**cfg["cost"])
+        s = state["state"]
+        nb = len(cfg["edges"]) + 1
+        home = np.asarray(s["engine_bucket"], dtype=np.int64)
+        initial = np.bincount(home, minlength=nb)
+        bal = cls(
+            cfg.pop("num_engines"), cfg.pop("ranks_per_engine"), initial_engines=initial,
+            now_s=s["round_start_s"], **cfg,
+        )  # fmt: skip
+        bal._home = home
+        bal._state = np.asarray(s["engine_state"], dtype=np.int8)
+        bal._last_move = np.asarray(
+            [-np.inf if t is None else t for t in s["last_move_s"]], dtype=np.float64
+        )
+        bal._seq = np.asarray(s["seq"], dtype=np.int64)
+        bal._rebuild()
+        load = np.asarray(s["rank_load"], dtype=np.float64)
+        bal._load = load[np.asarray(bal._rank_at, dtype=np.int64)]
+        edges = bal._edges
+        for rid, rank, total, cached, done, quota in s["requests"]:
+            bucket = bisect.bisect_right(edges, total)
+            req = _Request(rid, rank, bucket, total, cached, done, quota)
+            if rid in bal._requests:
+                raise ValueError(f"state: request {rid!r} appears twice")
+            bal._requests[rid] = req
+            bal._queues[rank][rid] = req
+        bal._round_quota = [float(x) for x in s["round_quota"]]
+        bal._demand = np.asarray(s["demand"], dtype=np.float64)
+        bal._counts = dict(s["counts"])
+        bal._drift_last = float(s["drift_last_s"])
+        bal._drift_max = float(s["drift_max_s"])
+        bal._rng.bit_generator.state = s["rng"]
+        try:
+            bal._check()
+        except AssertionError as exc:
+            raise ValueError(f"state: inconsistent state ({exc})") from None
+        return bal
