@@ -31,7 +31,9 @@ def compositions(total: int, parts: int):
 
 def separated_bottleneck(d, s) -> float:
     """max_j D_j / s_j, infinite for a non-empty bucket without an engine."""
-    return max((math.inf if sj == 0 else dj / sj) if dj > 0 else 0.0 for dj, sj in zip(d, s))
+    return max(
+        (math.inf if sj == 0 else dj / sj) if dj > 0 else 0.0 for dj, sj in zip(d, s, strict=True)
+    )
 
 
 @st.composite
