@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from scipy.special import ndtr, ndtri
 
-from lbkit.core.validation import as_int_array, as_rng, check_choice, check_int, check_real
+from lbkit.core.validation import as_float_array, as_rng, check_choice, check_int, check_real
 from lbkit.sim.traces import Trace
 
 __all__ = [
@@ -91,8 +91,8 @@ def fit_lognormal(values: Any, /) -> Lognormal:
 
     Parameters
     ----------
-    values : array_like of int, shape (n,)
-        Positive token counts, ``n >= 2``.
+    values : array_like, shape (n,)
+        Positive values (token counts), ``n >= 2``.
 
     Runtime complexity: O(n).
 
@@ -101,7 +101,9 @@ def fit_lognormal(values: Any, /) -> Lognormal:
     >>> fit_lognormal([100, 1000, 10000])
     Lognormal(mu=6.907..., sigma=1.880...)
     """
-    x = as_int_array(values, "values", ndim=1, min_value=1)
+    x = as_float_array(values, "values", ndim=1)
+    if x.size and not (x > 0).all():
+        raise ValueError(f"values: must be positive (found {x[x <= 0][0]})")
     if x.size < 2:
         raise ValueError(f"values: need at least 2 values to fit, got {x.size}")
     logs = np.log(x)
