@@ -9,8 +9,9 @@ to ``align``, and only if it is at least ``min_chunk``) and ends the step. So on
 scheduled request may be partial, which keeps every other request's KV contiguous and finished.
 
 If nothing fits, the head request still gets ``min_chunk`` tokens (or its whole remainder if that
-is smaller): the progress guarantee, flagged as a budget overrun, so that a budget below one
-token's cost cannot stall the queue.
+is smaller): the progress guarantee, so that a budget below one token's cost cannot stall the
+queue. The plan is flagged as a budget overrun when that chunk exceeds the budget (it always does
+with ``align = 1``; with ``align > 1`` a misaligned chunk that fits may have been left out).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ class ChunkPlan(NamedTuple):
     step_time_s : float
         Predicted step time ``a + sum of chunk work``, seconds (0.0 for an empty queue).
     overrun : bool
-        True when the progress guarantee forced a chunk beyond the budget.
+        True when the progress guarantee forced a chunk beyond the budget
+        (``step_time_s > budget_s``); never otherwise.
     """
 
     chunk_tokens: np.ndarray

@@ -19,7 +19,9 @@ from lbkit.core.validation import as_float_array, as_rng, check_int, to_numpy
 __all__ = ["pick_rank"]
 
 
-def _pick_rank_iv(quota_load: Any, eligible: Any, sample: Any) -> tuple[np.ndarray, np.ndarray]:
+def _pick_rank_iv(
+    quota_load: Any, eligible: Any, sample: Any, rng: Any
+) -> tuple[np.ndarray, np.ndarray, np.random.Generator | None]:
     load = as_float_array(quota_load, "quota_load", allow_empty=False)
     if load.ndim not in (1, 2):
         raise ValueError(
@@ -35,9 +37,11 @@ def _pick_rank_iv(quota_load: Any, eligible: Any, sample: Any) -> tuple[np.ndarr
             raise ValueError(
                 f"eligible: must have the shape of quota_load {load.shape}, got {ok.shape}"
             )
+    gen = None
     if sample is not None:
         check_int(sample, "sample", min_value=1)
-    return load.ravel(), ok.ravel()
+        gen = as_rng(rng)
+    return load.ravel(), ok.ravel(), gen
 
 
 def pick_rank(
@@ -82,11 +86,10 @@ def pick_rank(
     >>> pick_rank([2.0, 1.0], eligible=np.array([False, False]))
     -1
     """
-    load, ok = _pick_rank_iv(quota_load, eligible, sample)
+    load, ok, gen = _pick_rank_iv(quota_load, eligible, sample, rng)
     idx = np.flatnonzero(ok)
     if idx.size == 0:
         return -1
-    if sample is not None and sample < idx.size:
-        gen = as_rng(rng)
+    if gen is not None and sample < idx.size:
         idx = np.sort(gen.choice(idx, size=sample, replace=False))
     return int(idx[np.argmin(load[idx])])
