@@ -492,6 +492,7 @@ class PrefillBalancer:
             and 0 <= cached_tokens <= total_tokens
             and total_tokens > 0
             and type(now_s) is float
+            and now_s - now_s == 0.0  # excludes NaN and infinities
         ):
             total_tokens, cached_tokens, now_s = self._route_iv(total_tokens, cached_tokens, now_s)
         if type(request_id) is not int and type(request_id) is not str:
@@ -842,10 +843,11 @@ class PrefillBalancer:
         nb = self.num_buckets
         active = self._state == _ACTIVE
         queued = [0] * nb
-        qquota = [0.0] * nb
+        parts: list[list[float]] = [[] for _ in range(nb)]
         for req in self._requests.values():
             queued[req.bucket] += 1
-            qquota[req.bucket] += req.quota
+            parts[req.bucket].append(req.quota)
+        qquota = [math.fsum(p) for p in parts]  # exact: independent of the ledger's order
         c = self._counts
         return PrefillStatistics(
             bucket_demand=tuple(self._demand.tolist()),
