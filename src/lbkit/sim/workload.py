@@ -33,7 +33,6 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
-from scipy.special import ndtr, ndtri
 
 from lbkit.core.validation import as_float_array, as_rng, check_choice, check_int, check_real
 from lbkit.sim.traces import Trace
@@ -139,6 +138,8 @@ def _long_share_iv(long_share: Any, max_tokens: int) -> dict[str, float]:
 
 def _truncated_lognormal(rng: np.random.Generator, size: int, mu: float, sigma: float, high: float):
     """Lognormal draws conditioned on ``x < high`` (inverse CDF; exact, no rejection loop)."""
+    from scipy.special import ndtr, ndtri  # imported here: importing lbkit.sim stays light
+
     top = ndtr((math.log(high) - mu) / sigma)
     return np.exp(mu + sigma * ndtri(rng.random(size) * top))
 
