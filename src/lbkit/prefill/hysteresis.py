@@ -13,7 +13,9 @@ engines towards the ideal allocation only when that pays:
    so the allocation converges to the ideal over rounds and, under Adams' method, no move raises
    the bottleneck.
 3. **Dwell**: an engine that moved less than ``min_dwell_s`` ago does not move again.
-4. **Never the last engine** of a non-empty bucket.
+4. **Never the last engine** of a non-empty bucket (demand > 0). Adams' ideal gives every
+   non-empty bucket an engine, so this only binds when there are fewer engines than non-empty
+   buckets (or under another method): then the pool may stay short of the ideal grouping.
 
 Among the donor's movable engines the one with the least ``engine_load`` moves (it drains
 fastest), lowest engine index on ties.
@@ -194,7 +196,7 @@ def rebalance(
                 need = (np.inf if s[j] == 0 else d_eff[j] / s[j]) if d_eff[j] > 0 else 0.0
                 if need > best_need:
                     receiver, best_need = j, need
-            elif s[j] > target[j] and (s[j] >= 2 or d_eff[j] == 0):
+            elif s[j] > target[j] and (s[j] >= 2 or d[j] == 0):
                 if not (can & (home == j)).any():
                     continue
                 hurt = d_eff[j] / (s[j] - 1) if d_eff[j] > 0 else 0.0
