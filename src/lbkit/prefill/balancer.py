@@ -537,7 +537,9 @@ class PrefillBalancer:
         delta = req.quota - new
         req.done = done
         req.quota = new
-        self._load[self._slot[req.rank]] -= delta
+        # Re-sum the rank's queue (short) rather than subtract: no cancellation error builds up.
+        queue = self._queues[req.rank]
+        self._load[self._slot[req.rank]] = math.fsum(r.quota for r in queue.values())
         return abs(delta)
 
     def chunk_done(self, request_id: Hashable, tokens: int, *, now_s: float) -> int:
@@ -554,6 +556,8 @@ class PrefillBalancer:
             Unknown request id.
         ValueError
             Negative or non-integer ``tokens``, or more than the request has left.
+
+        Runtime complexity: O(requests on the rank) (the rank's load is re-summed exactly).
         """
         req = self._get(request_id)
         tokens = _tokens(tokens, "tokens")

@@ -1,0 +1,206 @@
+"""PrefillBalancer against a plain-Python model under any interleaving of its calls."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from lbkit.core import PRESETS
+from lbkit.prefill import PrefillBalancer
+
+COST = PRESETS["unit"].prefill
+EDGES = (100, 400)
+ENGINES, RANKS = 3, 2
+
+
+class Model:
+    """Where every request is, and what it has left: the balancer's ledger, in plain Python."""
+
+    def __init__(self):
+        self.live = {}  # id -> [total, cached, done, flat rank]
+        self.status = {}  # id -> "live" | "finished" | "handed_back" | "refused"
+        self.state = ["active"] * ENGINES  # "active"/"draining" as one: "in"; or "out"
+
+    def quota(self, rid):
+        total, cached, done, _ = self.live[rid]
+        return float(COST.quota(total - cached - done, cached + done))
+
+    def rank_loads(self):
+        loads = [[] for _ in range(ENGINES * RANKS)]
+        for rid, (_, _, _, f) in self.live.items():
+            loads[f].append(self.quota(rid))
+        return [math.fsum(x) for x in loads]
+
+    def on_engine(self, e):
+        return {rid for rid, v in self.live.items() if v[3] // RANKS == e}
+
+
+class BalancerMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.bal = PrefillBalancer(
+            ENGINES, RANKS, cost=COST, edges=EDGES, initial_engines=[1, 1, 1],
+            min_dwell_s=0.0, deadband=0.0, max_moves=2,
+        )  # fmt: skip
+        self.model = Model()
+        self.now = 0.0
+        self.next_id = 0
+        self.seq = [-1] * ENGINES  # last accepted report per engine
+
+    def tick(self, dt):
+        self.now += dt
+        return self.now
+
+    @rule(total=st.integers(1, 900), frac=st.floats(0, 1), dt=st.floats(0, 2))
+    def route(self, total, frac, dt):
+        cached = int(total * frac)
+        rid = self.next_id
+        self.next_id += 1
+        stats = self.bal.statistics()
+        before = self.bal.rank_loads()
+        d = self.bal.route(rid, total, cached, now_s=self.tick(dt))
+        assert d.bucket == sum(total >= e for e in EDGES)
+        if d.engine < 0:
+            assert "active" not in stats.engine_state and d.reason == "no_engine"
+            self.model.status[rid] = "refused"
+            return
+        # The rank is the least loaded of the active engines serving the bucket (lowest index).
+        server = stats.bucket_server[d.bucket]
+        cand = [
+            e * RANKS + r for e in range(ENGINES) for r in range(RANKS)
+            if stats.engine_bucket[e] == server and stats.engine_state[e] == "active"
+        ]  # fmt: skip
+        f = d.engine * RANKS + d.rank
+        assert f == min(cand, key=lambda x: (before[x], x))
+        assert d.reason == ("own_bucket" if server == d.bucket else "shared_bucket")
+        self.model.live[rid] = [total, cached, 0, f]
+        self.model.status[rid] = "live"
+
+    def live_ids(self):
+        return sorted(self.model.live)
+
+    @precondition(lambda self: self.model.live)
+    @rule(data=st.data(), dt=st.floats(0, 2))
+    def chunk_done(self, data, dt):
+        rid = data.draw(st.sampled_from(self.live_ids()))
+        total, cached, done, _ = self.model.live[rid]
+        tokens = data.draw(st.integers(0, total - cached - done))
+        left = self.bal.chunk_done(rid, tokens, now_s=self.tick(dt))
+        self.model.live[rid][2] += tokens
+        assert left == total - cached - done - tokens
+
+    @precondition(lambda self: self.model.live)
+    @rule(data=st.data(), dt=st.floats(0, 2))
+    def finish(self, data, dt):
+        rid = data.draw(st.sampled_from(self.live_ids()))
+        total, cached, done, _ = self.model.live.pop(rid)
+        assert self.bal.finish(rid, now_s=self.tick(dt)) == total - cached - done
+        self.model.status[rid] = "finished"
+
+    @rule(dt=st.floats(0.5, 60))
+    def end_round(self, dt):
+        res = self.bal.end_round(self.tick(dt))
+        assert len(res.moves) <= 2
+        stats = self.bal.statistics()
+        for m in res.moves:
+            assert stats.engine_bucket[m.engine] == m.to_bucket
+
+    @rule(engine=st.integers(0, ENGINES - 1), dt=st.floats(0, 2))
+    def remove_engine(self, engine, dt):
+        if self.bal.statistics().engine_state[engine] == "out":
+            return
+        expected = self.model.on_engine(engine)
+        moved = self.bal.remove_engine(engine, now_s=self.tick(dt))
+        assert {rid for rid, _ in moved} == expected and len(moved) == len(expected)
+        for rid, d in moved:
+            if d.engine < 0:
+                del self.model.live[rid]
+                self.model.status[rid] = "handed_back"
+            else:
+                assert d.engine != engine
+                self.model.live[rid][2] = 0  # restarts elsewhere
+                self.model.live[rid][3] = d.engine * RANKS + d.rank
+
+    @rule(engine=st.integers(0, ENGINES - 1), bucket=st.none() | st.integers(0, 2))
+    def restore_engine(self, engine, bucket):
+        if self.bal.statistics().engine_state[engine] != "out":
+            return
+        self.bal.restore_engine(engine, now_s=self.tick(0.1), bucket=bucket)
+
+    @rule(engine=st.integers(0, ENGINES - 1), stale=st.booleans(), data=st.data())
+    def report(self, engine, stale, data):
+        ids = sorted(self.model.on_engine(engine))
+        chosen = data.draw(st.lists(st.sampled_from(ids), unique=True)) if ids else []
+        progress = {}
+        for rid in chosen:
+            total, cached, _, _ = self.model.live[rid]
+            progress[rid] = data.draw(st.integers(0, total - cached))
+        gap = data.draw(st.integers(1, 3))
+        seq = max(self.seq[engine] - gap + 1, 0) if stale else self.seq[engine] + gap
+        res = self.bal.report(engine, seq, progress, now_s=self.tick(0.1))
+        assert res.accepted == (seq > self.seq[engine])
+        if res.accepted:
+            self.seq[engine] = seq
+            for rid, tokens in progress.items():
+                v = self.model.live[rid]
+                v[2] = max(v[2], tokens)
+            assert set(res.missing) == set(ids) - set(chosen)
+
+    @rule()
+    def save_and_restore(self):
+        state = json.loads(json.dumps(self.bal.state_dict()))
+        before = self.bal.statistics()
+        self.bal = PrefillBalancer.from_state_dict(state)
+        assert self.bal.statistics() == before
+
+    @rule(dt=st.floats(0, 1))
+    def bad_calls_change_nothing(self, dt):
+        before = self.bal.statistics()
+        for call in (
+            lambda: self.bal.route("x", 10, 11, now_s=self.now),
+            lambda: self.bal.route("x", -1, 0, now_s=self.now),
+            lambda: self.bal.finish("never-routed", now_s=self.now),
+            lambda: self.bal.chunk_done("never-routed", 1, now_s=self.now),
+        ):
+            try:
+                call()
+            except (ValueError, KeyError, TypeError):
+                pass
+            else:
+                raise AssertionError("bad call accepted")
+        if self.model.live:
+            rid = self.live_ids()[0]
+            try:
+                self.bal.route(rid, 10, 0, now_s=self.now)
+            except ValueError:
+                pass
+            else:
+                raise AssertionError("duplicate id accepted")
+        assert self.bal.statistics() == before
+
+    @invariant()
+    def ledger_matches_model(self):
+        self.bal._check()
+        stats = self.bal.statistics()
+        m = self.model
+        counts = {s: sum(1 for v in m.status.values() if v == s) for s in
+                  ("live", "finished", "handed_back", "refused")}  # fmt: skip
+        assert stats.queued == counts["live"] == len(m.live)
+        assert stats.finished == counts["finished"]
+        assert stats.handed_back == counts["handed_back"]
+        assert stats.refused == counts["refused"]
+        assert sum(counts.values()) == self.next_id  # every request accounted for exactly once
+        for rid, (_, _, _, f) in m.live.items():
+            assert rid in self.bal.requests_on(f // RANKS, f % RANKS)
+        for got, want in zip(stats.rank_load, m.rank_loads(), strict=True):
+            assert math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-9)
+        if "active" in stats.engine_state:  # no bucket is left without an engine
+            assert all(h >= 0 for h in stats.bucket_server)
+
+
+BalancerMachine.TestCase.settings = settings(stateful_step_count=40, deadline=None)
+TestBalancerMachine = BalancerMachine.TestCase
