@@ -1,0 +1,94 @@
+"""Microbenchmarks of ``lbkit.prefill`` (pytest-benchmark; groups ``<function>|<size>``).
+
+The routing call is measured beside a bare ``numpy.argmin`` over the same number of ranks, in one
+run and with the same rounds and iterations, so that their ratio can be read off the table::
+
+    python -m pytest benchmarks/bench_prefill.py --benchmark-enable -p no:cacheprovider
+
+Under the default ``--benchmark-disable`` each body runs once (and checks its result).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+import lbkit
+from lbkit.core import PRESETS
+from lbkit.prefill import PrefillBalancer, allocate_engines, pick_rank, plan_chunks, rebalance
+
+COST = PRESETS["h800_dsv3"].prefill
+ROUNDS, ITERATIONS = 30, 1000  # 30k routed requests per benchmark: the ledger stays small
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _warm():
+    lbkit.warmup(packages=("prefill",))
+
+
+def _pool(ranks: int) -> PrefillBalancer:
+    """One bucket's engines holding all ``ranks`` ranks (4 per engine), with a warm ledger."""
+    bal = PrefillBalancer(ranks // 4, 4, cost=COST, initial_engines=[ranks // 4, 0, 0, 0])
+    rng = np.random.default_rng(0)
+    for i in range(4 * ranks):
+        bal.route(f"w{i}", int(rng.integers(256, 16000)), 0, now_s=0.0)
+    return bal
+
+
+@pytest.mark.parametrize("ranks", [64])
+def bench_route(benchmark, ranks):
+    bal = _pool(ranks)
+    ids = itertools.count()
+
+    def route():
+        return bal.route(next(ids), 8000, 1024, now_s=1.0)
+
+    benchmark.group = f"prefill_route|{ranks}"
+    benchmark.pedantic(route, rounds=ROUNDS, iterations=ITERATIONS, warmup_rounds=1)
+    bal._check()
+    assert bal.statistics().routed == 4 * ranks + next(ids)
+
+
+@pytest.mark.parametrize("ranks", [64])
+def bench_numpy_argmin(benchmark, ranks):
+    loads = np.random.default_rng(0).random(ranks)
+    benchmark.group = f"prefill_route|{ranks}"
+    got = benchmark.pedantic(
+        np.argmin, args=(loads,), rounds=ROUNDS, iterations=ITERATIONS, warmup_rounds=1
+    )
+    assert got == loads.argmin()
+
+
+@pytest.mark.parametrize("ranks", [64, 1024])
+def bench_pick_rank(benchmark, ranks):
+    loads = np.random.default_rng(0).random(ranks)
+    benchmark.group = f"pick_rank|{ranks}"
+    assert benchmark(pick_rank, loads) == loads.argmin()
+
+
+@pytest.mark.parametrize("engines", [16, 256])
+def bench_allocate_engines(benchmark, engines):
+    demand = np.array([8.0, 3.0, 1.5, 0.4])
+    benchmark.group = f"allocate_engines|{engines}"
+    assert benchmark(allocate_engines, demand, engines).engines.sum() == engines
+
+
+@pytest.mark.parametrize("engines", [16, 256])
+def bench_rebalance(benchmark, engines):
+    home = np.repeat(np.arange(4), engines // 4)
+    demand = np.array([8.0, 3.0, 1.5, 0.4])
+    benchmark.group = f"rebalance|{engines}"
+    res = benchmark(rebalance, home, demand, now_s=100.0)
+    assert len(res.moves) <= 2
+
+
+@pytest.mark.parametrize("queue", [4, 64])
+def bench_plan_chunks(benchmark, queue):
+    rng = np.random.default_rng(0)
+    rem = rng.integers(64, 4096, size=queue)
+    pre = rng.integers(0, 32768, size=queue)
+    benchmark.group = f"plan_chunks|{queue}"
+    plan = benchmark(plan_chunks, rem, pre, cost=COST, budget_s=0.5)
+    assert plan.step_time_s <= 0.5 or plan.overrun
