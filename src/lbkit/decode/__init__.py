@@ -1,0 +1,1 @@
+"""Decode balancer: place requests on the synchronously stepping ranks of a decode engine."""

@@ -1,0 +1,244 @@
+"""numba kernels of the decode balancer (clean arrays only; see ``policies.py``).
+
+Every kernel works on a *state matrix* ``X`` of shape ``(NUM_ROWS, ranks)``, float64, with rows
+
+- ``ROW_B``: requests per rank, ``ROW_S``: KV tokens per rank (the ledger);
+- ``ROW_CAP_B``, ``ROW_CAP_S``: maximum batch and KV tokens per rank (``inf`` = no limit);
+- ``ROW_OK``: 1.0 for an eligible rank, 0.0 otherwise;
+- ``ROW_PB``, ``ROW_PS``: requests and KV tokens used for *scoring* when look-ahead is on
+  (``proj``); the ledger rows are used otherwise;
+- ``ROW_KEY``: uniform random keys of the ``random`` policy.
+
+One matrix keeps the call cheap (numba unboxes one array instead of eight). Counts and tokens
+are integers held exactly in float64 (below 2**53). Plain loops that also run with
+``NUMBA_DISABLE_JIT=1``. Tie-breaks: lexicographic on (primary score, secondary score), then the
+lowest rank index wins.
+
+A kernel returns a rank (>= 0) or a negative reason code ``-k`` (``reasons.REASONS[k]``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from lbkit.core._jit import jit
+
+__all__ = [
+    "COST",
+    "LEAST_KV",
+    "LEAST_REQUESTS",
+    "MIN_MAX",
+    "NUM_ROWS",
+    "RANDOM",
+    "ROUND_ROBIN",
+    "ROW_B",
+    "ROW_CAP_B",
+    "ROW_CAP_S",
+    "ROW_KEY",
+    "ROW_OK",
+    "ROW_PB",
+    "ROW_PS",
+    "ROW_S",
+    "SUM_OF_SQUARES",
+    "assign_sequence",
+    "choose",
+    "score_means",
+    "place",
+    "warmup",
+]
+
+ROW_B, ROW_S, ROW_CAP_B, ROW_CAP_S, ROW_OK, ROW_PB, ROW_PS, ROW_KEY = range(8)
+NUM_ROWS = 8
+
+SUM_OF_SQUARES, MIN_MAX, COST, ROUND_ROBIN, LEAST_REQUESTS, LEAST_KV, RANDOM = range(7)
+
+# Parameter vector ``P`` of ``place`` and ``assign_sequence``:
+# [policy code, capacity scale (0/1), cost a, cost b, cost k, combine max (0/1), look-ahead (0/1)]
+P_CODE, P_CAPSCALE, P_A, P_B, P_K, P_CMAX, P_PROJ = range(7)
+NUM_PARAMS = 7
+
+
+@jit
+def score_means(X, add_b, add_s, proj):
+    """Mean scored requests and KV tokens over eligible ranks, after adding ``add_b, add_s``.
+
+    Returns ``(bhat, shat)``; ``(0.0, 0.0)`` when no rank is eligible.
+    """
+    n = X.shape[1]
+    rb = 5 if proj else 0
+    m = 0
+    sb = 0.0
+    ss = 0.0
+    for r in range(n):
+        if X[4, r] > 0.0:
+            m += 1
+            sb += X[rb, r]
+            ss += X[rb + 1, r]
+    if m == 0:
+        return 0.0, 0.0
+    return (sb + add_b) / m, (ss + add_s) / m
+
+
+@jit
+def choose(X, s, s_score, code, capscale, bhat, shat, ca, cb, ck, cmax, cursor, proj):
+    """Rank for a request of ``s`` KV tokens (scored as ``s_score``), or ``-reason``.
+
+    Feasible ranks: eligible, ``B + 1 <= cap_B`` and ``S + s <= cap_S``. Scores (lower wins;
+    ``b, kv`` are the scored rows, ``Bh, Sh`` the normalisers: ``bhat, shat``, or a rank's finite
+    positive capacity when ``capscale``):
+
+    - sum of squares: ``(2b + 1)/Bh^2 + s'(2kv + s')/Sh^2``, the exact increase of
+      ``(b/Bh)^2 + (kv/Sh)^2`` (the KV term is 0 when ``Sh == 0``);
+    - min-max: ``max((b+1)/Bh, (kv+s')/Sh)``, then their sum;
+    - cost: ``a + b_c(b+1) (+|max) k_c(kv+s')``, then ``b_c(b+1) + k_c(kv+s')``;
+    - round robin: ``(r - cursor) mod n``; least requests: ``b``; least KV: ``kv``;
+      random: ``X[ROW_KEY, r]``.
+    """
+    n = X.shape[1]
+    rb = 5 if proj else 0
+    best = -1
+    p1 = np.inf
+    p2 = np.inf
+    n_ok = 0
+    n_len = 0
+    n_broom = 0
+    n_kroom = 0
+    for r in range(n):
+        if X[4, r] <= 0.0:
+            continue
+        n_ok += 1
+        capb = X[2, r]
+        caps = X[3, r]
+        if s > caps:
+            continue
+        n_len += 1
+        broom = X[0, r] + 1.0 <= capb
+        kroom = X[1, r] + s <= caps
+        if broom:
+            n_broom += 1
+        if kroom:
+            n_kroom += 1
+        if not (broom and kroom):
+            continue
+        b = X[rb, r]
+        kv = X[rb + 1, r]
+        q2 = 0.0
+        if code == 0 or code == 1:
+            bh = bhat
+            sh = shat
+            if capscale:
+                if 0.0 < capb < np.inf:
+                    bh = capb
+                if 0.0 < caps < np.inf:
+                    sh = caps
+            if code == 0:
+                q1 = (2.0 * b + 1.0) / (bh * bh)
+                if sh > 0.0:
+                    q1 += s_score * (2.0 * kv + s_score) / (sh * sh)
+            else:
+                x1 = (b + 1.0) / bh
+                x2 = (kv + s_score) / sh if sh > 0.0 else 0.0
+                q1 = x1 if x1 >= x2 else x2
+                q2 = x1 + x2
+        elif code == 2:
+            t1 = cb * (b + 1.0)
+            t2 = ck * (kv + s_score)
+            if cmax:
+                q1 = ca + (t1 if t1 >= t2 else t2)
+            else:
+                q1 = ca + t1 + t2
+            q2 = t1 + t2
+        elif code == 3:
+            q1 = float((r - cursor + n) % n)
+        elif code == 4:
+            q1 = b
+        elif code == 5:
+            q1 = kv
+        else:
+            q1 = X[7, r]
+        if q1 < p1 or (q1 == p1 and q2 < p2):
+            best = r
+            p1 = q1
+            p2 = q2
+    if best >= 0:
+        return best
+    if n_ok == 0:
+        return -1
+    if n_len == 0:
+        return -2
+    if n_broom == 0:
+        return -3
+    if n_kroom == 0:
+        return -4
+    return -5
+
+
+@jit
+def place(X, slots, P, slot, s, s_score, add_pb, add_ps, expect, order, cursor):
+    """Choose a rank for one request and record it (the balancer's admission hot path).
+
+    Normalisers: means over eligible ranks including the new request (``P[P_CAPSCALE]`` switches
+    to finite capacities). On success the ledger rows (and the scored rows by ``add_pb,
+    add_ps`` under look-ahead) grow, and column ``slot`` of ``slots`` (int64, rows rank, KV
+    tokens, generated tokens, expected output, admission order) is written. Returns the rank or
+    ``-reason``.
+    """
+    proj = P[6] > 0.0
+    bhat, shat = score_means(X, 1.0, s_score, proj)
+    r = choose(
+        X, float(s), float(s_score), int(P[0]), P[1] > 0.0, bhat, shat,
+        P[2], P[3], P[4], P[5] > 0.0, cursor, proj,
+    )  # fmt: skip
+    if r >= 0:
+        X[0, r] += 1.0
+        X[1, r] += s
+        if proj:
+            X[5, r] += add_pb
+            X[6, r] += add_ps
+        slots[0, slot] = r
+        slots[1, slot] = s
+        slots[2, slot] = 0
+        slots[3, slot] = expect
+        slots[4, slot] = order
+    return r
+
+
+@jit
+def assign_sequence(X, kv, order, P, bhat, shat, cursor, keys, out):
+    """Place requests ``order[0], order[1], ...`` (KV tokens ``kv``) one after another.
+
+    Fixed normalisers ``bhat, shat`` for the whole sequence. Writes each request's rank (or
+    ``-reason``) into ``out`` (indexed like ``kv``), updates the ledger rows of ``X`` and returns
+    the round-robin cursor after the last placement. ``keys`` (shape ``(len(order), ranks)``)
+    are the random policy's keys, one row per placement.
+    """
+    n = X.shape[1]
+    code = int(P[0])
+    for t in range(order.shape[0]):
+        i = order[t]
+        s = kv[i]
+        if code == 6:
+            for r in range(n):
+                X[7, r] = keys[t, r]
+        r = choose(
+            X, s, s, code, P[1] > 0.0, bhat, shat, P[2], P[3], P[4], P[5] > 0.0, cursor, False
+        )
+        out[i] = r
+        if r >= 0:
+            X[0, r] += 1.0
+            X[1, r] += s
+            cursor = (r + 1) % n
+    return cursor
+
+
+def warmup() -> None:
+    """Compile every kernel of this module on tiny inputs."""
+    X = np.zeros((NUM_ROWS, 3))
+    X[2:4] = np.inf
+    X[4] = 1.0
+    slots = np.zeros((5, 2), dtype=np.int64)
+    P = np.zeros(NUM_PARAMS)
+    place(X, slots, P, 0, 5, 5, 0.0, 0.0, -1, 0, 0)
+    kv = np.array([4.0, 1.0])
+    out = np.zeros(2, dtype=np.int64)
+    assign_sequence(X, kv, np.array([0, 1]), P, 1.0, 1.0, 0, np.zeros((2, 3)), out)
