@@ -437,3 +437,15 @@ def test_default_pool_spreads_engines_and_serves_every_bucket():
     st_ = bal.statistics()
     assert st_.bucket_engines == (4, 4, 4, 4) and st_.bucket_server == (0, 1, 2, 3)
     assert len(st_.rank_load) == 64 and math.fsum(st_.rank_load) == 0.0
+
+
+def test_numpy_integer_ids_are_stored_as_int():
+    bal = make()
+    bal.route(np.int64(7), 50, 0, now_s=0.0)
+    assert bal.statistics().queued == 1
+    with pytest.raises(ValueError, match="request_id: 7 is already in the ledger"):
+        bal.route(7, 50, 0, now_s=0.0)
+    assert bal.finish(np.int32(7), now_s=1.0) == 50
+    with pytest.raises(TypeError, match="request_id: must be an int or a str, got bool"):
+        bal.route(True, 50, 0, now_s=0.0)
+    bal._check()

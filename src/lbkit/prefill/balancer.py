@@ -207,6 +207,14 @@ def _tokens(value: Any, name: str) -> int:
     return check_int(value, name, min_value=0)
 
 
+def _request_id(value: Any) -> int | str:
+    if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)):
+        return int(value)
+    if isinstance(value, str):
+        return str(value)
+    raise TypeError(f"request_id: must be an int or a str, got {type(value).__name__}")
+
+
 def _time(value: Any) -> float:
     return check_real(value, "now_s")
 
@@ -441,7 +449,7 @@ class PrefillBalancer:
             slot = int(pick[np.argmin(load[pick])])
         reason = "own_bucket" if self._server[bucket] == bucket else "shared_bucket"
         if self._spill is not None:
-            best = load[slot]
+            own = best = load[slot]
             for nbr in (bucket - 1, bucket + 1):
                 if not 0 <= nbr < len(self._lo) or self._server[nbr] == self._server[bucket]:
                     continue
@@ -449,7 +457,7 @@ class PrefillBalancer:
                 if nlo == nhi:
                     continue
                 ns = nlo + int(load[nlo:nhi].argmin())
-                if load[slot] > self._spill * load[ns] and load[ns] < best:
+                if own > self._spill * load[ns] and load[ns] < best:
                     slot, best, reason = ns, load[ns], "spill"
         return slot, reason
 
@@ -461,7 +469,8 @@ class PrefillBalancer:
         Parameters
         ----------
         request_id : int or str
-            Unique among the requests in the ledger (may be reused after ``finish``).
+            Unique among the requests in the ledger (may be reused after ``finish``). numpy
+            integers are stored as ``int``.
         total_tokens : int
             Prompt length including the cached prefix (>= 1).
         cached_tokens : int, default 0
@@ -496,7 +505,7 @@ class PrefillBalancer:
         ):
             total_tokens, cached_tokens, now_s = self._route_iv(total_tokens, cached_tokens, now_s)
         if type(request_id) is not int and type(request_id) is not str:
-            raise TypeError(f"request_id: must be an int or a str, got {type(request_id).__name__}")
+            request_id = _request_id(request_id)
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already in the ledger")
         bucket = bisect.bisect_right(self._edges, total_tokens)
