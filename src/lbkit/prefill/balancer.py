@@ -27,6 +27,15 @@ the chunk's work (``q > k/2`` charges chunking less than the one-chunk estimate,
 more), but the decrements still telescope: the load is always the remaining quota of what is left
 and returns to zero when the request finishes.
 
+Engine reports
+--------------
+An engine reports, with an increasing sequence number, the cumulative prefilled tokens of the
+requests it holds (not bare per-rank loads: a load alone cannot say which request progressed,
+so it could not be reconciled into a per-request ledger). Progress is monotone, so a report only
+ever moves a request forward; a report whose sequence number is not newer than the last accepted
+one is stale and ignored. ``drift_s`` is how far the ledger's remaining quota was from the
+report's before reconciliation, summed over the reported requests.
+
 Moving engines
 --------------
 A moving engine stops taking new work at once and joins its new bucket when its queue is empty
