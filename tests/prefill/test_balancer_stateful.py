@@ -14,7 +14,7 @@ from lbkit.prefill import PrefillBalancer
 
 COST = PRESETS["unit"].prefill
 EDGES = (100, 400)
-ENGINES, RANKS = 3, 2
+ENGINES, RANKS = 4, 2
 
 
 class Model:
@@ -43,7 +43,7 @@ class BalancerMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.bal = PrefillBalancer(
-            ENGINES, RANKS, cost=COST, edges=EDGES, initial_engines=[1, 1, 1],
+            ENGINES, RANKS, cost=COST, edges=EDGES, initial_engines=[2, 1, 1],
             min_dwell_s=0.0, deadband=0.0, max_moves=2,
         )  # fmt: skip
         self.model = Model()
@@ -79,6 +79,12 @@ class BalancerMachine(RuleBasedStateMachine):
         assert d.reason == ("own_bucket" if server == d.bucket else "shared_bucket")
         self.model.live[rid] = [total, cached, 0, f]
         self.model.status[rid] = "live"
+
+    @rule(total=st.sampled_from([50, 250, 800]), n=st.integers(2, 10))
+    def route_burst(self, total, n):
+        # Many requests of one bucket at once: engines stay busy, so moving ones must drain.
+        for _ in range(n):
+            self.route(total=total, frac=0.0, dt=0.0)
 
     def live_ids(self):
         return sorted(self.model.live)
