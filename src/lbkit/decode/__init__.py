@@ -1,1 +1,42 @@
-"""Decode balancer: place requests on the synchronously stepping ranks of a decode engine."""
+"""Decode balancer: place requests on the synchronously stepping ranks of a decode engine.
+
+A decode step lasts as long as the slowest rank, and a rank's step grows with both its request
+count ``B`` and its KV tokens ``S``. Pure decision functions (numpy in, NamedTuples out):
+
+- :func:`pick_rank`: one request, by a policy of :data:`POLICIES` (default: the greedy step of
+  minimising ``sum_r (B_r/Bhat)^2 + (S_r/Shat)^2``; ``policies.py``);
+- :func:`assign_batch`: a batch of arrivals, longest first, in one kernel call (``batch.py``).
+
+:class:`DecodeBalancer` (``balancer.py``) embeds them in a router: admission with capacities,
+KV growth, release, ranks out of service, engine-report reconciliation, look-ahead, persistence.
+Reason codes of every decision are documented in :mod:`lbkit.decode.reasons`.
+"""
+
+from lbkit.decode.balancer import (
+    DecodeBalancer,
+    DecodeStatistics,
+    RemovedRequests,
+    ReportResult,
+    RequestInfo,
+)
+from lbkit.decode.batch import ORDERS, BatchAssignment, assign_batch, batch_bound
+from lbkit.decode.policies import DEFAULT_POLICY, POLICIES, Decision, pick_rank
+from lbkit.decode.reasons import REASONS, REFUSALS
+
+__all__ = [
+    "DEFAULT_POLICY",
+    "ORDERS",
+    "POLICIES",
+    "REASONS",
+    "REFUSALS",
+    "BatchAssignment",
+    "Decision",
+    "DecodeBalancer",
+    "DecodeStatistics",
+    "RemovedRequests",
+    "ReportResult",
+    "RequestInfo",
+    "assign_batch",
+    "batch_bound",
+    "pick_rank",
+]

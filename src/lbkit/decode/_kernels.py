@@ -42,8 +42,8 @@ __all__ = [
     "SUM_OF_SQUARES",
     "assign_sequence",
     "choose",
-    "score_means",
     "place",
+    "score_means",
     "warmup",
 ]
 
@@ -96,6 +96,11 @@ def choose(X, s, s_score, code, capscale, bhat, shat, ca, cb, ck, cmax, cursor, 
     """
     n = X.shape[1]
     rb = 5 if proj else 0
+    if code == 0 and not capscale:
+        best = _choose_sos(X, s, s_score, bhat, shat, rb)
+        if best >= 0:
+            return best
+        return _refusal(X, s)
     best = -1
     p1 = np.inf
     p2 = np.inf
@@ -162,6 +167,56 @@ def choose(X, s, s_score, code, capscale, bhat, shat, ca, cb, ck, cmax, cursor, 
             p2 = q2
     if best >= 0:
         return best
+    if n_ok == 0:
+        return -1
+    if n_len == 0:
+        return -2
+    if n_broom == 0:
+        return -3
+    if n_kroom == 0:
+        return -4
+    return -5
+
+
+@jit
+def _choose_sos(X, s, s_score, bhat, shat, rb):
+    """The default policy with common normalisers: ``argmin (2b + 1) wB + s'(2kv + s') wS``."""
+    n = X.shape[1]
+    if bhat <= 0.0:  # no eligible rank
+        return -1
+    wb = 1.0 / (bhat * bhat)
+    ws = 1.0 / (shat * shat) if shat > 0.0 else 0.0
+    ws2 = 2.0 * s_score * ws
+    best = -1
+    p1 = np.inf
+    for r in range(n):
+        if X[4, r] > 0.0 and X[0, r] + 1.0 <= X[2, r] and X[1, r] + s <= X[3, r]:
+            q1 = X[rb, r] * wb + X[rb + 1, r] * ws2
+            if q1 < p1:
+                best = r
+                p1 = q1
+    return best
+
+
+@jit
+def _refusal(X, s):
+    """Reason code (negative) of a request that fits no rank; see ``reasons``."""
+    n = X.shape[1]
+    n_ok = 0
+    n_len = 0
+    n_broom = 0
+    n_kroom = 0
+    for r in range(n):
+        if X[4, r] <= 0.0:
+            continue
+        n_ok += 1
+        if s > X[3, r]:
+            continue
+        n_len += 1
+        if X[0, r] + 1.0 <= X[2, r]:
+            n_broom += 1
+        if X[1, r] + s <= X[3, r]:
+            n_kroom += 1
     if n_ok == 0:
         return -1
     if n_len == 0:

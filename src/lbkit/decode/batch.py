@@ -144,7 +144,7 @@ def assign_batch(
 
 
 def batch_bound(num_requests: Any, kv_tokens: Any, new_kv_tokens: Any, /) -> float:
-    """The proven bound ``max(F0, 1 + rho + u_max)`` on the greedy's max-of-both-dimensions objective.
+    """Proven bound ``max(F0, 1 + rho + u_max)`` on the greedy's max-of-both-dimensions objective.
 
     For :func:`assign_batch` with the default policy, ``scale="mean"``, no capacities and every
     rank eligible (see the module documentation). Returns ``inf`` for an empty batch that leaves

@@ -1,0 +1,746 @@
+"""``DecodeBalancer``: the stateful decode router that a serving front end embeds.
+
+It keeps the ledger a router must remember (per rank: requests ``B_r`` and KV tokens ``S_r``;
+per request: rank, KV tokens, tokens generated, expected output) and places each request with
+the policy kernel of :mod:`lbkit.decode.policies`:
+
+- **admit** a request (returns a :class:`~lbkit.decode.Decision`; refused requests stay with the
+  caller, counted by reason);
+- **step** grows KV: one token per running request, or the tokens the caller reports per rank or
+  per request;
+- **finish / abort** release a request;
+- **drain_rank / remove_rank / restore_rank** take a rank out of service (draining: no new work;
+  removed: its requests are handed back to the caller, none lost) and back;
+- **report** reconciles the ledger with an engine's per-rank load report (see below);
+- **statistics / _check / state_dict / from_state_dict**.
+
+Capacities bound admission only: KV growth in :meth:`DecodeBalancer.step` may take a rank past
+``max_kv_tokens`` (the engine then preempts; :class:`DecodeStatistics` counts such ranks).
+
+Reconciliation rule
+-------------------
+An engine reports, per rank, ``(sequence number, requests, KV tokens)``. A report whose sequence
+number is not newer than the rank's last accepted one is stale and ignored. Otherwise the drift
+(reported minus ledger, for requests and for KV tokens) is recorded, and:
+
+- the request count is never corrected: the router sees every admission and release, and a
+  mismatch means the engine's snapshot and the ledger see different request sets (requests in
+  flight);
+- when the counts agree and the rank holds requests, the ledger's KV becomes the reported KV: each
+  request's KV is scaled, ``kv_i <- floor(kv_i * R / S)`` (``R // B`` each when ``S == 0``), and
+  the remaining tokens go one each to the oldest requests. The sum is then exactly ``R``, no
+  request goes negative, and later releases free what the engine actually holds.
+
+Look-ahead
+----------
+With ``lookahead_steps = h > 0`` the policy scores each rank by its *projected* state ``h`` steps
+ahead instead of its current one: a request with a known expected output that has at most ``h``
+tokens left is projected to have left (it releases all of its KV), every other request is
+projected to hold ``kv + h`` tokens (one token per step). A rank of many short requests thus
+looks both lighter (its requests leave soon) and faster-growing (``B_r`` tokens per step while
+they run); the projection counts both. Requests without an expected output are assumed to stay.
+The incoming request is scored as holding ``s + h`` tokens (its own growth does not depend on the
+rank). Capacities are always checked against the current ledger.
+
+Complexity: :meth:`admit`, :meth:`finish`, :meth:`abort` O(ranks); :meth:`step` O(ranks +
+requests) (vectorised); :meth:`report` O(requests on the rank); :meth:`remove_rank` O(requests).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from lbkit.core.cost import DecodeCost
+from lbkit.core.metrics import max_over_mean
+from lbkit.core.validation import as_int_array, as_rng, check_choice, check_int, to_numpy
+from lbkit.decode import _kernels as K
+from lbkit.decode._state import DEFAULT_COST, capacity_iv, params
+from lbkit.decode.policies import DEFAULT_POLICY, POLICIES, POLICY_CODES, Decision
+from lbkit.decode.reasons import PLACED, REASONS
+
+__all__ = [
+    "DecodeBalancer",
+    "DecodeStatistics",
+    "RemovedRequests",
+    "ReportResult",
+    "RequestInfo",
+]
+
+_ACTIVE, _DRAINING, _OUT = 0, 1, 2
+_STATE_NAMES = ("active", "draining", "out")
+_STATE_VERSION = 1
+_RANK, _KV, _GEN, _EXPECT, _ORDER = range(5)
+_REFUSED = tuple(Decision(-1, reason) for reason in REASONS)
+
+
+class RemovedRequests(NamedTuple):
+    """Requests handed back by :meth:`DecodeBalancer.remove_rank`, oldest first."""
+
+    request_ids: tuple[Hashable, ...]
+    kv_tokens: tuple[int, ...]
+
+
+class ReportResult(NamedTuple):
+    """Result of :meth:`DecodeBalancer.report`.
+
+    Attributes
+    ----------
+    accepted : bool
+        False for a stale report (sequence number not newer than the last accepted one).
+    corrected : bool
+        Whether the ledger's KV tokens were set to the reported ones.
+    drift_requests, drift_kv_tokens : int
+        Reported minus ledger, before any correction (0 for a stale report).
+    """
+
+    accepted: bool
+    corrected: bool
+    drift_requests: int
+    drift_kv_tokens: int
+
+
+class RequestInfo(NamedTuple):
+    """Ledger entry of a running request (``expected_output_tokens`` is -1 when unknown)."""
+
+    rank: int
+    kv_tokens: int
+    generated_tokens: int
+    expected_output_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeStatistics:
+    """Snapshot of a :class:`DecodeBalancer` (plain tuples and numbers; safe to keep).
+
+    Per rank: ``num_requests``, ``kv_tokens``, ``rank_state`` (``"active"``, ``"draining"``,
+    ``"out"``). Balance over ranks in service (active or draining): ``count_imbalance`` and
+    ``kv_imbalance`` (max/mean, 1.0 when idle) and ``step_time_s`` (the slowest rank's modelled
+    step under ``cost``). ``over_capacity``: ranks whose KV grew past ``max_kv_tokens``.
+    Counters: ``running``, ``admitted``, ``refused`` (with ``refused_by_reason``), ``finished``,
+    ``aborted``, ``handed_back``, ``steps``; reports ``reports_accepted``, ``reports_stale``,
+    ``reports_corrected``; drift (reported minus ledger) of the last accepted report
+    (``drift_requests_last``, ``drift_kv_tokens_last``), the largest absolute drift
+    (``drift_requests_max``, ``drift_kv_tokens_max``) and the summed absolute KV drift
+    (``drift_kv_tokens_total``).
+    """
+
+    num_requests: tuple[int, ...]
+    kv_tokens: tuple[int, ...]
+    rank_state: tuple[str, ...]
+    count_imbalance: float
+    kv_imbalance: float
+    step_time_s: float
+    over_capacity: int
+    running: int
+    admitted: int
+    refused: int
+    refused_by_reason: tuple[tuple[str, int], ...]
+    finished: int
+    aborted: int
+    handed_back: int
+    steps: int
+    reports_accepted: int
+    reports_stale: int
+    reports_corrected: int
+    drift_requests_last: int
+    drift_kv_tokens_last: int
+    drift_requests_max: int
+    drift_kv_tokens_max: int
+    drift_kv_tokens_total: int
+
+
+_COUNTERS = (
+    "finished", "aborted", "handed_back", "steps",
+    "reports_accepted", "reports_stale", "reports_corrected",
+    "drift_requests_last", "drift_kv_tokens_last", "drift_requests_max", "drift_kv_tokens_max",
+    "drift_kv_tokens_total",
+)  # fmt: skip
+
+
+def _request_id(request_id: Any) -> Hashable:
+    if isinstance(request_id, bool) or not isinstance(request_id, (int, str)):
+        raise TypeError(
+            f"request_id: must be an int or a str (JSON-serialisable), got "
+            f"{type(request_id).__name__}"
+        )
+    return request_id
+
+
+class DecodeBalancer:
+    """Stateful decode balancer over the ``num_ranks`` ranks of one engine.
+
+    Parameters
+    ----------
+    num_ranks : int
+        Ranks of the engine (>= 1).
+    policy : str, default ``DEFAULT_POLICY``
+        A key of :data:`~lbkit.decode.POLICIES`.
+    max_batch, max_kv_tokens : int or array_like of int, shape (num_ranks,), optional
+        Admission capacities per rank (``None``: no limit).
+    scale : {"mean", "capacity"}
+        Normalisers of the two-dimensional scores (see :mod:`lbkit.decode.policies`).
+    cost : DecodeCost, optional
+        Cost model of the ``"cost"`` policy and of ``statistics().step_time_s`` (default: the
+        ``h800_dsv3`` decode preset with ``combine="max"``).
+    lookahead_steps : int, default 0
+        Score ranks by their projected state this many steps ahead (see the module
+        documentation); 0 scores the current state.
+    rng : numpy Generator, int seed or None
+        Randomness of the ``"random"`` policy (``None`` means seed 0).
+
+    Examples
+    --------
+    >>> bal = DecodeBalancer(2)
+    >>> [bal.admit(rid, kv).rank for rid, kv in [("a", 9000), ("b", 100), ("c", 120)]]
+    [0, 1, 1]
+    >>> bal.admit("d", 6000)  # long: goes to the rank with little KV despite its 2 requests
+    Decision(rank=1, reason='placed')
+    >>> bal.admit("e", 50)    # short: goes to the rank with fewer requests
+    Decision(rank=0, reason='placed')
+    >>> bal.step()
+    >>> bal.statistics().kv_tokens, bal.statistics().num_requests
+    ((9052, 6223), (2, 3))
+    >>> bal.finish("a")
+    0
+    >>> bal.remove_rank(1)
+    RemovedRequests(request_ids=('b', 'c', 'd'), kv_tokens=(101, 121, 6001))
+    >>> bal.admit("b", 101)
+    Decision(rank=0, reason='placed')
+    >>> bal.statistics().handed_back, len(bal)
+    (3, 2)
+    """
+
+    def __init__(
+        self,
+        num_ranks: int,
+        *,
+        policy: str = DEFAULT_POLICY,
+        max_batch: Any = None,
+        max_kv_tokens: Any = None,
+        scale: str = "mean",
+        cost: DecodeCost | None = None,
+        lookahead_steps: int = 0,
+        rng: np.random.Generator | int | None = None,
+    ) -> None:
+        n = check_int(num_ranks, "num_ranks", min_value=1)
+        check_choice(policy, "policy", tuple(POLICIES))
+        h = check_int(lookahead_steps, "lookahead_steps", min_value=0)
+        self._P = params(POLICY_CODES[policy], scale, cost, proj=h > 0)
+        self._cost = DEFAULT_COST if cost is None else cost
+        self._policy = policy
+        self._scale = scale
+        self._code = POLICY_CODES[policy]
+        self._h = h
+        self._n = n
+        self._rng = as_rng(rng)
+        X = np.zeros((K.NUM_ROWS, n))
+        X[K.ROW_CAP_B] = capacity_iv(max_batch, "max_batch", n)
+        X[K.ROW_CAP_S] = capacity_iv(max_kv_tokens, "max_kv_tokens", n)
+        X[K.ROW_OK] = 1.0
+        self._X = X
+        self._slots = np.zeros((5, 0), dtype=np.int64)
+        self._rid_of: list[Hashable | None] = []
+        self._free: list[int] = []
+        self._ids: dict[Hashable, int] = {}
+        self._state = np.zeros(n, dtype=np.int8)
+        self._seq = np.full(n, -1, dtype=np.int64)
+        self._cursor = 0
+        self._order = 0
+        self._refused = [0] * len(REASONS)
+        self._counts = dict.fromkeys(_COUNTERS, 0)
+        self._placed = tuple(Decision(r, PLACED) for r in range(n))  # no allocation per call
+        self._grow(64)
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def num_ranks(self) -> int:
+        """Ranks of the engine."""
+        return self._n
+
+    @property
+    def policy(self) -> str:
+        """Name of the rank-choice policy."""
+        return self._policy
+
+    def num_requests(self) -> np.ndarray:
+        """Requests per rank, shape (num_ranks,), int64 (a copy)."""
+        return self._X[K.ROW_B].astype(np.int64)
+
+    def kv_tokens(self) -> np.ndarray:
+        """KV tokens per rank, shape (num_ranks,), int64 (a copy)."""
+        return self._X[K.ROW_S].astype(np.int64)
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._ids
+
+    def request(self, request_id: Hashable) -> RequestInfo:
+        """Ledger entry of a running request; ``KeyError`` if unknown."""
+        c = self._slots[:, self._slot_of(request_id)].tolist()
+        return RequestInfo(c[_RANK], c[_KV], c[_GEN], c[_EXPECT])
+
+    def requests_on(self, rank: int) -> tuple[Hashable, ...]:
+        """Ids of the requests on ``rank``, oldest first."""
+        rank = self._rank_iv(rank)
+        return tuple(self._rid_of[i] for i in self._slots_on(rank))
+
+    # ------------------------------------------------------------------ internals
+    def _grow(self, extra: int) -> None:
+        cap = self._slots.shape[1]
+        slots = np.zeros((5, cap + extra), dtype=np.int64)
+        slots[:, :cap] = self._slots
+        slots[_RANK, cap:] = self._n  # the free-slot sentinel
+        self._slots = slots
+        self._rid_of.extend([None] * extra)
+        self._free.extend(range(cap + extra - 1, cap - 1, -1))  # lowest slot used first
+
+    def _slot_of(self, request_id: Any) -> int:
+        try:
+            return self._ids[request_id]
+        except (KeyError, TypeError):
+            raise KeyError(f"request_id: unknown request {request_id!r}") from None
+
+    def _rank_iv(self, rank: Any) -> int:
+        return check_int(rank, "rank", min_value=0, max_value=self._n - 1)
+
+    def _slots_on(self, rank: int) -> np.ndarray:
+        idx = np.flatnonzero(self._slots[_RANK] == rank)
+        return idx[np.argsort(self._slots[_ORDER, idx], kind="stable")]
+
+    def _projected(self, slot_idx: Any) -> Any:
+        ex = self._slots[_EXPECT, slot_idx]
+        return (ex < 0) | (ex - self._slots[_GEN, slot_idx] > self._h)
+
+    def _reproject(self) -> None:
+        if not self._h:
+            return
+        used = self._slots[_RANK] < self._n
+        idx = np.flatnonzero(used)
+        keep = idx[self._projected(idx)]
+        ranks = self._slots[_RANK, keep]
+        self._X[K.ROW_PB] = np.bincount(ranks, minlength=self._n)
+        self._X[K.ROW_PS] = np.bincount(
+            ranks, weights=(self._slots[_KV, keep] + self._h).astype(np.float64), minlength=self._n
+        )
+
+    def _release(self, slot: int) -> int:
+        s = self._slots
+        r = int(s[_RANK, slot])
+        kv = int(s[_KV, slot])
+        X = self._X
+        if self._h and self._projected(slot):
+            X[K.ROW_PB, r] -= 1.0
+            X[K.ROW_PS, r] -= kv + self._h
+        X[K.ROW_B, r] -= 1.0
+        X[K.ROW_S, r] -= kv
+        s[:, slot] = 0
+        s[_RANK, slot] = self._n
+        rid = self._rid_of[slot]
+        self._rid_of[slot] = None
+        del self._ids[rid]
+        self._free.append(slot)
+        return r
+
+    # ------------------------------------------------------------------ admission
+    def admit(
+        self,
+        request_id: Hashable,
+        kv_tokens: int,
+        *,
+        expected_output_tokens: int | None = None,
+    ) -> Decision:
+        """Place a request holding ``kv_tokens`` KV tokens (its prompt, cached or computed).
+
+        Parameters
+        ----------
+        request_id : int or str
+            New id (not running).
+        kv_tokens : int
+            KV tokens the request holds on arrival (>= 0).
+        expected_output_tokens : int, optional
+            Expected tokens still to generate (>= 0), used by look-ahead.
+
+        Returns
+        -------
+        Decision
+            ``(rank, "placed")``, or ``(-1, reason)``: the request is not admitted and stays
+            with the caller (the refusal is counted in :meth:`statistics`).
+
+        Raises
+        ------
+        ValueError
+            Negative tokens, or an id that is already running.
+        TypeError
+            An id that is not an int or str, or non-integer tokens.
+
+        Runtime complexity: O(ranks), one numba call.
+        """
+        if type(kv_tokens) is not int or kv_tokens < 0:
+            kv_tokens = check_int(kv_tokens, "kv_tokens", min_value=0)
+        if request_id in self._ids:
+            raise ValueError(f"request_id: {request_id!r} is already running")
+        if type(request_id) is not str and type(request_id) is not int:
+            _request_id(request_id)
+        if expected_output_tokens is None:
+            expect = -1
+        else:
+            expect = check_int(expected_output_tokens, "expected_output_tokens", min_value=0)
+        free = self._free
+        if not free:
+            self._grow(self._slots.shape[1])
+        slot = free[-1]
+        h = self._h
+        if h:
+            s_score = kv_tokens + h
+            present = expect < 0 or expect > h
+            add_pb = 1.0 if present else 0.0
+            add_ps = float(kv_tokens + h) if present else 0.0
+        else:
+            s_score = kv_tokens
+            add_pb = add_ps = 0.0
+        if self._code == K.RANDOM:
+            self._rng.random(out=self._X[K.ROW_KEY])
+        r = K.place(
+            self._X, self._slots, self._P, slot, kv_tokens, s_score, add_pb, add_ps, expect,
+            self._order, self._cursor,
+        )  # fmt: skip
+        if r < 0:
+            self._refused[-r] += 1
+            return _REFUSED[-r]
+        free.pop()
+        self._ids[request_id] = slot
+        self._rid_of[slot] = request_id
+        self._order += 1
+        self._cursor = r + 1 if r + 1 < self._n else 0
+        return self._placed[r]
+
+    def finish(self, request_id: Hashable) -> int:
+        """Release a finished request; returns the rank it ran on. ``KeyError`` if unknown."""
+        r = self._release(self._slot_of(request_id))
+        self._counts["finished"] += 1
+        return r
+
+    def abort(self, request_id: Hashable) -> int:
+        """Release an aborted request; returns its rank. ``KeyError`` if unknown."""
+        r = self._release(self._slot_of(request_id))
+        self._counts["aborted"] += 1
+        return r
+
+    # ------------------------------------------------------------------ progress
+    def step(
+        self, tokens: Any = None, *, request_tokens: Mapping[Hashable, int] | None = None
+    ) -> None:
+        """Record one engine step: KV grows by the tokens generated.
+
+        Parameters
+        ----------
+        tokens : int or array_like of int, shape (num_ranks,), optional
+            Tokens each running request generated, for all ranks or per rank (e.g. accepted
+            speculative tokens; 0 for a rank that did not step). Default: 1 each.
+        request_tokens : mapping of request id to int, optional
+            Tokens generated by each listed request; unlisted requests generated none. Exclusive
+            with ``tokens``.
+
+        Raises
+        ------
+        ValueError, TypeError, KeyError
+            Both arguments, negative tokens, a wrong shape or an unknown id (nothing is applied).
+
+        Runtime complexity: O(ranks + requests), vectorised.
+        """
+        if request_tokens is not None:
+            if tokens is not None:
+                raise ValueError("tokens, request_tokens: give at most one of them")
+            if not isinstance(request_tokens, Mapping):
+                raise TypeError(
+                    "request_tokens: must be a mapping of request id to tokens, got "
+                    f"{type(request_tokens).__name__}"
+                )
+            todo = [
+                (self._slot_of(rid), check_int(t, f"request_tokens[{rid!r}]", min_value=0))
+                for rid, t in request_tokens.items()
+            ]
+            s = self._slots
+            for slot, t in todo:
+                s[_KV, slot] += t
+                s[_GEN, slot] += t
+                self._X[K.ROW_S, s[_RANK, slot]] += t
+        else:
+            n = self._n
+            if tokens is None:
+                inc = np.ones(n + 1, dtype=np.int64)
+            else:
+                arr = to_numpy(tokens, "tokens")
+                inc = np.empty(n + 1, dtype=np.int64)
+                if arr.ndim == 0:
+                    inc[:] = check_int(tokens, "tokens", min_value=0)
+                else:
+                    inc[:n] = as_int_array(arr, "tokens", shape=(n,), min_value=0)
+            inc[n] = 0  # free slots
+            grow = inc[self._slots[_RANK]]
+            self._slots[_KV] += grow
+            self._slots[_GEN] += grow
+            self._X[K.ROW_S] += inc[:n] * self._X[K.ROW_B]
+        self._reproject()
+        self._counts["steps"] += 1
+
+    # ------------------------------------------------------------------ service
+    def drain_rank(self, rank: int) -> None:
+        """Stop placing new requests on ``rank``; its running requests continue.
+
+        Raises ``ValueError`` for an unknown rank or one that is not active.
+        """
+        rank = self._rank_iv(rank)
+        if self._state[rank] != _ACTIVE:
+            raise ValueError(f"rank: {rank} is {_STATE_NAMES[self._state[rank]]}, not active")
+        self._state[rank] = _DRAINING
+        self._X[K.ROW_OK, rank] = 0.0
+
+    def remove_rank(self, rank: int) -> RemovedRequests:
+        """Take ``rank`` out of service and hand its requests back (oldest first).
+
+        The returned requests are released from the ledger (counted as handed back); the caller
+        re-admits them, e.g. with their current KV tokens. Raises ``ValueError`` for an unknown
+        rank or one already out of service.
+        """
+        rank = self._rank_iv(rank)
+        if self._state[rank] == _OUT:
+            raise ValueError(f"rank: {rank} is already out of service")
+        idx = self._slots_on(rank)
+        ids = tuple(self._rid_of[i] for i in idx)
+        kv = tuple(self._slots[_KV, idx].tolist())
+        for i in idx.tolist():
+            self._release(i)
+        self._state[rank] = _OUT
+        self._X[K.ROW_OK, rank] = 0.0
+        self._counts["handed_back"] += len(ids)
+        return RemovedRequests(ids, kv)
+
+    def restore_rank(self, rank: int) -> None:
+        """Put a draining or removed rank back into service. ``ValueError`` if it is active."""
+        rank = self._rank_iv(rank)
+        if self._state[rank] == _ACTIVE:
+            raise ValueError(f"rank: {rank} is already active")
+        self._state[rank] = _ACTIVE
+        self._X[K.ROW_OK, rank] = 1.0
+
+    # ------------------------------------------------------------------ reports
+    def report(self, rank: int, seq: int, num_requests: int, kv_tokens: int) -> ReportResult:
+        """Reconcile the ledger with an engine's load report for ``rank``.
+
+        See the module documentation for the rule: stale reports (``seq`` not newer than the
+        last accepted) are ignored; drift is always measured; KV is corrected only when the
+        request counts agree.
+
+        Raises
+        ------
+        ValueError, TypeError
+            Unknown rank, negative sequence number, requests or tokens (nothing changes).
+
+        Runtime complexity: O(requests on the rank) when correcting, else O(1).
+        """
+        rank = self._rank_iv(rank)
+        seq = check_int(seq, "seq", min_value=0)
+        got_b = check_int(num_requests, "num_requests", min_value=0)
+        got_s = check_int(kv_tokens, "kv_tokens", min_value=0)
+        c = self._counts
+        if seq <= self._seq[rank]:
+            c["reports_stale"] += 1
+            return ReportResult(False, False, 0, 0)
+        self._seq[rank] = seq
+        have_b = int(self._X[K.ROW_B, rank])
+        have_s = int(self._X[K.ROW_S, rank])
+        db, ds = got_b - have_b, got_s - have_s
+        c["reports_accepted"] += 1
+        c["drift_requests_last"] = db
+        c["drift_kv_tokens_last"] = ds
+        c["drift_requests_max"] = max(c["drift_requests_max"], abs(db))
+        c["drift_kv_tokens_max"] = max(c["drift_kv_tokens_max"], abs(ds))
+        c["drift_kv_tokens_total"] += abs(ds)
+        if db != 0 or have_b == 0 or ds == 0:
+            return ReportResult(True, False, db, ds)
+        idx = self._slots_on(rank)
+        old = self._slots[_KV, idx].tolist()
+        if have_s > 0:
+            new = [kv * got_s // have_s for kv in old]
+        else:
+            new = [got_s // have_b] * have_b
+        for i in range(got_s - sum(new)):  # fewer than have_b tokens: oldest first
+            new[i] += 1
+        self._slots[_KV, idx] = new
+        self._X[K.ROW_S, rank] = got_s
+        self._reproject()
+        c["reports_corrected"] += 1
+        return ReportResult(True, True, db, ds)
+
+    # ------------------------------------------------------------------ introspection
+    def statistics(self) -> DecodeStatistics:
+        """A snapshot of per-rank load, balance and counters (see :class:`DecodeStatistics`)."""
+        b = self.num_requests()
+        s = self.kv_tokens()
+        live = self._state != _OUT
+        c = self._counts
+        if live.any():
+            count_imb = float(max_over_mean(b[live].astype(np.float64)))
+            kv_imb = float(max_over_mean(s[live].astype(np.float64)))
+            step = float(np.max(self._cost.step_time(b[live], s[live])))
+        else:
+            count_imb = kv_imb = 1.0
+            step = 0.0
+        return DecodeStatistics(
+            num_requests=tuple(b.tolist()),
+            kv_tokens=tuple(s.tolist()),
+            rank_state=tuple(_STATE_NAMES[x] for x in self._state.tolist()),
+            count_imbalance=count_imb,
+            kv_imbalance=kv_imb,
+            step_time_s=step,
+            over_capacity=int((self._X[K.ROW_S] > self._X[K.ROW_CAP_S]).sum()),
+            running=len(self._ids),
+            admitted=self._order,
+            refused=sum(self._refused),
+            refused_by_reason=tuple(
+                (reason, k) for reason, k in zip(REASONS, self._refused, strict=True) if k
+            ),
+            finished=c["finished"],
+            aborted=c["aborted"],
+            handed_back=c["handed_back"],
+            steps=c["steps"],
+            reports_accepted=c["reports_accepted"],
+            reports_stale=c["reports_stale"],
+            reports_corrected=c["reports_corrected"],
+            drift_requests_last=c["drift_requests_last"],
+            drift_kv_tokens_last=c["drift_kv_tokens_last"],
+            drift_requests_max=c["drift_requests_max"],
+            drift_kv_tokens_max=c["drift_kv_tokens_max"],
+            drift_kv_tokens_total=c["drift_kv_tokens_total"],
+        )
+
+    def _check(self) -> None:
+        """Assert every internal invariant (for tests; O(ranks + requests))."""
+        n = self._n
+        s = self._slots
+        X = self._X
+        cap = s.shape[1]
+        assert len(self._rid_of) == cap
+        used = s[_RANK] < n
+        assert (s[_RANK] >= 0).all() and (s[_RANK] <= n).all(), "slot rank out of range"
+        assert sorted(self._free) == np.flatnonzero(~used).tolist(), "free list is stale"
+        assert sorted(self._ids.values()) == np.flatnonzero(used).tolist(), "id map is stale"
+        for rid, slot in self._ids.items():
+            assert self._rid_of[slot] == rid, f"slot {slot} does not name {rid!r}"
+        assert all(self._rid_of[i] is None for i in self._free), "a free slot names a request"
+        assert (s[:, ~used][1:] == 0).all(), "a free slot holds data"
+        assert (s[_KV] >= 0).all() and (s[_GEN] >= 0).all(), "negative tokens"
+        assert (s[_EXPECT] >= -1).all()
+        assert (s[_ORDER, used] < self._order).all()
+        assert len(set(s[_ORDER, used].tolist())) == int(used.sum()), "admission order repeats"
+        ranks = s[_RANK, used]
+        want_b = np.bincount(ranks, minlength=n)
+        want_s = np.bincount(ranks, weights=s[_KV, used].astype(np.float64), minlength=n)
+        assert (X[K.ROW_B] == want_b).all(), f"request counts {X[K.ROW_B]} != {want_b}"
+        assert (X[K.ROW_S] == want_s).all(), f"KV sums {X[K.ROW_S]} != {want_s}"
+        assert (X[K.ROW_OK] == (self._state == _ACTIVE)).all(), "eligibility is stale"
+        assert not (want_b[self._state == _OUT]).any(), "a rank out of service holds requests"
+        if self._h:
+            pb, ps = X[K.ROW_PB].copy(), X[K.ROW_PS].copy()
+            self._reproject()
+            assert (pb == X[K.ROW_PB]).all() and (ps == X[K.ROW_PS]).all(), "projection stale"
+        assert 0 <= self._cursor < n
+        c = self._counts
+        assert self._order == len(self._ids) + c["finished"] + c["aborted"] + c["handed_back"], (
+            "admitted requests are not all running, finished, aborted or handed back"
+        )
+        assert self._refused[0] == 0
+
+    # ------------------------------------------------------------------ persistence
+    def state_dict(self) -> dict[str, Any]:
+        """The configuration and state as JSON-serialisable plain types.
+
+        :meth:`from_state_dict` of the result continues exactly where this balancer stands
+        (decisions, reports, counters and the random policy's rng).
+        """
+        c = self._cost
+        X = self._X
+        idx = np.flatnonzero(self._slots[_RANK] < self._n)
+        idx = idx[np.argsort(self._slots[_ORDER, idx], kind="stable")]
+
+        def caps(row: np.ndarray) -> list[int | None] | None:
+            if np.isinf(row).all():
+                return None
+            return [None if np.isinf(v) else int(v) for v in row.tolist()]
+
+        return {
+            "version": _STATE_VERSION,
+            "config": {
+                "num_ranks": self._n,
+                "policy": self._policy,
+                "max_batch": caps(X[K.ROW_CAP_B]),
+                "max_kv_tokens": caps(X[K.ROW_CAP_S]),
+                "scale": self._scale,
+                "cost": {"a": c.a, "b": c.b, "k": c.k, "combine": c.combine},
+                "lookahead_steps": self._h,
+            },
+            "state": {
+                "rank_state": self._state.tolist(),
+                "seq": self._seq.tolist(),
+                "cursor": self._cursor,
+                "order": self._order,
+                "requests": [[self._rid_of[i], *self._slots[:, i].tolist()] for i in idx],
+                "refused": list(self._refused),
+                "counts": dict(self._counts),
+                "rng": self._rng.bit_generator.state,
+            },
+        }
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, Any]) -> DecodeBalancer:
+        """Rebuild a balancer from :meth:`state_dict` output (e.g. after ``json.loads``).
+
+        Raises
+        ------
+        ValueError
+            Unknown version or an inconsistent state.
+        """
+        if not isinstance(state, Mapping) or state.get("version") != _STATE_VERSION:
+            raise ValueError(f"state: expected a state_dict of version {_STATE_VERSION}")
+        try:
+            cfg = dict(state["config"])
+            s = state["state"]
+            caps = {key: cfg.pop(key) for key in ("max_batch", "max_kv_tokens")}
+            cost = DecodeCost(**cfg.pop("cost"))
+            bal = cls(cfg.pop("num_ranks"), cost=cost, **cfg)
+            for key, row in (("max_batch", K.ROW_CAP_B), ("max_kv_tokens", K.ROW_CAP_S)):
+                if caps[key] is not None:
+                    bal._X[row] = [np.inf if v is None else v for v in caps[key]]
+            bal._state = np.asarray(s["rank_state"], dtype=np.int8)
+            bal._X[K.ROW_OK] = bal._state == _ACTIVE
+            bal._seq = np.asarray(s["seq"], dtype=np.int64)
+            bal._cursor = int(s["cursor"])
+            bal._order = int(s["order"])
+            reqs = s["requests"]
+            if len(reqs) > bal._slots.shape[1]:
+                bal._grow(len(reqs))
+            for rid, rank, kv, gen, expect, order in reqs:
+                rid = _request_id(rid)
+                if rid in bal._ids:
+                    raise ValueError(f"state: request {rid!r} appears twice")
+                slot = bal._free.pop()
+                bal._slots[:, slot] = (rank, kv, gen, expect, order)
+                bal._ids[rid] = slot
+                bal._rid_of[slot] = rid
+                bal._X[K.ROW_B, rank] += 1.0
+                bal._X[K.ROW_S, rank] += kv
+            bal._reproject()
+            bal._refused = [int(x) for x in s["refused"]]
+            bal._counts = {k: int(s["counts"][k]) for k in _COUNTERS}
+            bal._rng.bit_generator.state = s["rng"]
+            bal._check()
+        except (KeyError, TypeError, IndexError, AssertionError) as exc:
+            raise ValueError(f"state: inconsistent state_dict ({exc})") from None
+        return bal
