@@ -1,0 +1,24 @@
+"""Expert-parallel load balancing (EPLB): replicate hot experts and place replicas on GPUs.
+
+:func:`rebalance_experts` is a drop-in for DeepSeek's ``eplb.rebalance_experts`` (same arguments
+and ``(phy2log, log2phy, logcnt)`` result) with a choice of method (:data:`METHODS`):
+``"greedy"`` reproduces DeepSeek's published algorithm, ``"default"`` chooses replica counts and
+packing jointly and is never worse than greedy on any layer. :func:`moe_lb` measures a plan,
+:func:`lower_bound` bounds what any plan can reach, :func:`check_placement` validates a plan.
+"""
+
+from lbkit.eplb._plan import EplbPlan
+from lbkit.eplb.bounds import lower_bound, moe_lb
+from lbkit.eplb.placement import check_placement, is_valid_placement
+from lbkit.eplb.rebalance import DEFAULT_METHOD, METHODS, rebalance_experts
+
+__all__ = [
+    "DEFAULT_METHOD",
+    "METHODS",
+    "EplbPlan",
+    "check_placement",
+    "is_valid_placement",
+    "lower_bound",
+    "moe_lb",
+    "rebalance_experts",
+]

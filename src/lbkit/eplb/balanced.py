@@ -1,0 +1,93 @@
+"""lbkit's default EPLB method: replica counts and packing chosen jointly, never worse than greedy.
+
+Per sub-problem (a layer under the global policy; a node of a layer under the hierarchical one):
+
+1. **Counts**: the min-max apportionment (one replica each, then each further replica to the
+   expert with the largest load per replica), which minimises the largest replica.
+2. **Packing**: LPT with exactly ``S`` replicas per GPU (heaviest replica to the lightest GPU with
+   a free slot, avoiding a second replica of an expert on one GPU), then a local search that
+   swaps a replica of the most loaded GPU with a lighter one elsewhere while that lowers the
+   larger of the two loads.
+3. **Count search**: move one replica to the expert of the largest replica on the most loaded GPU
+   (from the expert that loses least), or away from an expert sitting twice on it; repack and
+   keep the change when the largest GPU load drops, for a few rounds.
+4. **Duplicates**: swaps that separate two replicas of one expert without raising the maximum.
+
+Hierarchical policy: groups go to nodes by an exact cardinality-constrained partition minimising
+the largest node load (branch and bound; each node holds ``num_groups / num_nodes`` groups and a
+fixed budget of ``num_replicas / num_nodes`` slots), then each node is solved as above.
+
+Finally the greedy plan is computed as well and kept for any layer where its largest GPU load is
+strictly lower, so the default is never worse than greedy on any layer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from lbkit.eplb import _kernels
+from lbkit.eplb._plan import EplbPlan, _finish_plan, _rebalance_iv
+
+__all__ = ["COUNT_SEARCH_EVALS", "STOP_GAP", "balanced_rebalance"]
+
+#: Trial plans of the replica-count search per sub-problem.
+COUNT_SEARCH_EVALS = 64
+
+#: The searches stop once a sub-problem's largest GPU load is within this relative gap of its
+#: lower bound (``bounds.py``); no plan can do better than the bound.
+STOP_GAP = 5e-4
+
+
+def _max_gpu_load(weight: np.ndarray, phy2log: np.ndarray, logcnt: np.ndarray, num_gpus: int):
+    per_replica = weight / logcnt
+    slot_load = np.take_along_axis(per_replica, phy2log, axis=1)
+    return slot_load.reshape(phy2log.shape[0], num_gpus, -1).sum(axis=2).max(axis=1)
+
+
+def balanced_rebalance(
+    weight: Any,
+    num_replicas: int,
+    num_groups: int,
+    num_nodes: int,
+    num_gpus: int,
+    /,
+    *,
+    policy: str | None = None,
+) -> EplbPlan:
+    """Plan replicas with lbkit's default method (see the module docstring).
+
+    Parameters and returns as in :func:`lbkit.eplb.rebalance_experts`.
+
+    Runtime complexity: O(layers × rounds × (R × G + I × S² × G)) for ``R`` replicas on ``G``
+    GPUs of ``S`` slots and ``I`` local-search steps (at most ``4 R``, typically about ``G``),
+    plus the greedy plan.
+
+    Examples
+    --------
+    >>> weight = [[90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
+    ...           [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27]]
+    >>> plan = balanced_rebalance(weight, 16, 4, 2, 8)
+    >>> plan.logcnt
+    array([[1, 2, 1, 1, 1, 2, 1, 1, 1, 1, 2, 1],
+           [1, 1, 1, 1, 1, 2, 2, 1, 2, 1, 1, 1]])
+    """
+    problem = _rebalance_iv(weight, num_replicas, num_groups, num_nodes, num_gpus, policy)
+    w = problem.weight
+    layers, experts = w.shape
+    args = (w, problem.num_replicas, problem.num_groups, problem.num_nodes, problem.num_gpus)
+    phy2log = np.empty((layers, problem.num_replicas), dtype=np.int64)
+    logcnt = np.empty((layers, experts), dtype=np.int64)
+    _kernels.default_plan(*args, COUNT_SEARCH_EVALS, STOP_GAP, phy2log, logcnt)
+    g_phy2log = np.empty_like(phy2log)
+    g_rank = np.empty_like(phy2log)
+    g_logcnt = np.empty_like(logcnt)
+    _kernels.greedy_plan(w.astype(np.float32), *args[1:], g_phy2log, g_rank, g_logcnt)
+    ours = _max_gpu_load(w, phy2log, logcnt, problem.num_gpus)
+    theirs = _max_gpu_load(w, g_phy2log, g_logcnt, problem.num_gpus)
+    use_greedy = theirs < ours * (1.0 - 1e-12)
+    if use_greedy.any():
+        phy2log[use_greedy] = g_phy2log[use_greedy]
+        logcnt[use_greedy] = g_logcnt[use_greedy]
+    return _finish_plan(problem, phy2log, logcnt)

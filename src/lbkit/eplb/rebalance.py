@@ -1,0 +1,97 @@
+"""``rebalance_experts``: the entry point of the expert-parallel load balancer (EPLB).
+
+A drop-in for DeepSeek's ``eplb.rebalance_experts`` with a choice of method: ``"greedy"``
+reproduces DeepSeek's published algorithm, ``"default"`` chooses replica counts and packing
+jointly and is never worse than greedy on any layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any
+
+from lbkit.core.validation import check_choice
+from lbkit.eplb._plan import EplbPlan
+from lbkit.eplb.balanced import balanced_rebalance
+from lbkit.eplb.greedy import greedy_rebalance
+
+__all__ = ["DEFAULT_METHOD", "METHODS", "rebalance_experts"]
+
+#: Planning methods; every one has the signature of :func:`rebalance_experts` minus ``method``.
+METHODS: Mapping[str, Callable[..., EplbPlan]] = MappingProxyType(
+    {"greedy": greedy_rebalance, "default": balanced_rebalance}
+)
+
+#: Method used when ``method`` is not given.
+DEFAULT_METHOD = "default"
+
+
+def rebalance_experts(
+    weight: Any,
+    num_replicas: int,
+    num_groups: int,
+    num_nodes: int,
+    num_gpus: int,
+    /,
+    *,
+    method: str = DEFAULT_METHOD,
+    policy: str | None = None,
+) -> EplbPlan:
+    """Replicate experts into ``num_replicas`` slots and place the slots on GPUs.
+
+    Parameters
+    ----------
+    weight : array_like or torch.Tensor, shape (layers, experts)
+        Non-negative, finite load of each logical expert (e.g. routed tokens); integer or
+        floating. At least one layer and one expert.
+    num_replicas : int
+        Physical slots per layer ``R``; a multiple of ``num_gpus`` and at least ``experts``.
+    num_groups : int
+        Expert groups (contiguous blocks of ``experts / num_groups`` experts); must divide
+        ``experts``.
+    num_nodes : int
+        Server nodes; must divide ``num_gpus`` (GPU ``g`` is on node ``g // (num_gpus /
+        num_nodes)``).
+    num_gpus : int
+        GPUs; each holds ``S = R / num_gpus`` slots, slots ``g*S .. (g+1)*S-1`` on GPU ``g``.
+    method : {"default", "greedy"}
+        A key of :data:`METHODS`.
+    policy : {None, "global", "hierarchical"}
+        ``None`` follows DeepSeek: hierarchical when ``num_nodes`` divides ``num_groups``, else
+        global. Hierarchical keeps every group, with all replicas of its experts, on one node;
+        forcing it requires ``num_nodes`` to divide ``num_groups``.
+
+    Returns
+    -------
+    EplbPlan
+        ``(phy2log [L, R], log2phy [L, E, K], logcnt [L, E])`` as ``int64`` numpy arrays, or
+        CPU ``torch`` tensors when ``weight`` is a tensor (torch is imported only then).
+
+    Raises
+    ------
+    TypeError
+        ``weight`` is not numeric, or a size is not an integer.
+    ValueError
+        Wrong shape (including zero layers or experts), NaN, infinite or negative loads, sizes
+        that do not divide as stated above, ``num_replicas < experts``, unknown ``method`` or
+        ``policy``, or a hierarchical policy the sizes do not allow.
+
+    Runtime complexity: see :func:`lbkit.eplb.greedy.greedy_rebalance` and
+    :func:`lbkit.eplb.balanced.balanced_rebalance`.
+
+    Examples
+    --------
+    >>> from lbkit.eplb import rebalance_experts, moe_lb
+    >>> weight = [[90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
+    ...           [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27]]
+    >>> phy2log, log2phy, logcnt = rebalance_experts(weight, 16, 4, 2, 8, method="greedy")
+    >>> phy2log[0]
+    array([ 5,  6,  5,  7,  8,  4,  3,  4, 10,  9, 10,  2,  0,  1, 11,  1])
+    >>> greedy = moe_lb(weight, phy2log, num_gpus=8)
+    >>> best = moe_lb(weight, rebalance_experts(weight, 16, 4, 2, 8).phy2log, num_gpus=8)
+    >>> bool((best <= greedy).all())
+    True
+    """
+    check_choice(method, "method", tuple(METHODS))
+    return METHODS[method](weight, num_replicas, num_groups, num_nodes, num_gpus, policy=policy)
