@@ -180,13 +180,17 @@ def choose(X, s, s_score, code, capscale, bhat, shat, ca, cb, ck, cmax, cursor, 
 
 @jit
 def _choose_sos(X, s, s_score, bhat, shat, rb):
-    """The default policy with common normalisers: ``argmin (2b + 1) wB + s'(2kv + s') wS``."""
+    """The default policy with common normalisers: ``argmin b wB + s' kv wS``.
+
+    Equal to the argmin of the full increase ``(2b + 1) wB + s'(2kv + s') wS`` (half of it,
+    less the terms that do not depend on the rank); ties may differ only by rounding.
+    """
     n = X.shape[1]
     if bhat <= 0.0:  # no eligible rank
         return -1
     wb = 1.0 / (bhat * bhat)
     ws = 1.0 / (shat * shat) if shat > 0.0 else 0.0
-    ws2 = 2.0 * s_score * ws
+    ws2 = s_score * ws  # half the increase, without the terms common to every rank
     best = -1
     p1 = np.inf
     for r in range(n):
