@@ -6,8 +6,24 @@
   LRU cache of a given capacity.
 - :mod:`lbkit.sim.workload`: seeded synthetic traces calibrated on the Mooncake conversation
   trace, and the default workload of ``lbkit bench``.
+- :mod:`lbkit.sim.engine`: the deterministic engine model (prefill and decode pools) and the
+  utilisation scaling; :mod:`lbkit.sim.policies` and :mod:`lbkit.sim.policies_decode`: routing
+  policies; :mod:`lbkit.sim.metrics`: SPEC section 5 metrics; :mod:`lbkit.sim.bench`: the
+  scenario runner of ``lbkit bench``.
 """
 
+from lbkit.sim.bench import BenchResult, run_bench
+from lbkit.sim.engine import (
+    DecodeRun,
+    PrefillRun,
+    scale_to_utilization,
+    simulate_decode,
+    simulate_prefill,
+    utilization_factor,
+)
+from lbkit.sim.metrics import decode_metrics, prefill_metrics
+from lbkit.sim.policies import PREFILL_POLICIES
+from lbkit.sim.policies_decode import DECODE_POLICIES
 from lbkit.sim.prefix_cache import apply_prefix_cache, prefix_hit_blocks
 from lbkit.sim.traces import (
     BUCKET_EDGES_TOKENS,
@@ -22,14 +38,26 @@ from lbkit.sim.workload import default_workload, synthetic_trace
 
 __all__ = [
     "BUCKET_EDGES_TOKENS",
+    "DECODE_POLICIES",
     "FORMATS",
+    "PREFILL_POLICIES",
+    "BenchResult",
+    "DecodeRun",
+    "PrefillRun",
     "Trace",
     "TraceSummary",
     "apply_prefix_cache",
+    "decode_metrics",
     "default_workload",
     "load_azure",
     "load_mooncake",
     "load_trace",
+    "prefill_metrics",
     "prefix_hit_blocks",
+    "run_bench",
+    "scale_to_utilization",
+    "simulate_decode",
+    "simulate_prefill",
     "synthetic_trace",
+    "utilization_factor",
 ]

@@ -1,0 +1,347 @@
+"""``lbkit bench``: replay a workload through every prefill and decode policy and compare them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["add_parser", "run"]
+
+_PROGRESS_AFTER_S = 3.0
+
+
+def add_parser(sub: Any) -> None:
+    """Register ``lbkit bench`` on the subcommand parser ``sub``."""
+    p = sub.add_parser(
+        "bench",
+        help="simulate prefill and decode pools under every routing policy and compare them",
+        description=(
+            "Replay a request trace through a simulated prefill pool and decode pool once per "
+            "routing policy (deterministic, seeded; see docs/simulator.md) and print one "
+            "comparison table per pool: balance efficiency (mean/max rank time per synchronous "
+            "step, 1.0 is perfect), TTFT and TPOT percentiles, finished and refused requests; "
+            "'*' marks the best value of each column. Without --trace, the built-in default "
+            "workload (20,000 requests, Mooncake-calibrated lengths with long-context shares) is "
+            "used. Also plans the built-in EPLB example with the greedy and default methods."
+        ),
+    )
+    p.add_argument(
+        "--trace",
+        type=Path,
+        metavar="PATH",
+        help="trace file: Mooncake JSONL or Azure CSV (default: built-in workload)",
+    )
+    p.add_argument(
+        "--format",
+        choices=("mooncake", "azure"),
+        help="trace format (default: detected from the first line or the suffix)",
+    )
+    p.add_argument(
+        "--utilization",
+        type=float,
+        default=0.8,
+        metavar="U",
+        help="offered prefill utilisation: arrivals are time-scaled so that the "
+        "trace's prefill work equals U x duration x prefill ranks (default 0.8)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        metavar="N",
+        help="seed of the built-in workload and of randomised policies (default 0)",
+    )
+    p.add_argument(
+        "--prefill-engines", type=int, default=16, metavar="E", help="prefill engines (default 16)"
+    )
+    p.add_argument(
+        "--ranks-per-engine",
+        type=int,
+        default=4,
+        metavar="R",
+        help="DP ranks per prefill engine (default 4)",
+    )
+    p.add_argument(
+        "--decode-engines", type=int, default=1, metavar="E", help="decode engines (default 1)"
+    )
+    p.add_argument(
+        "--decode-ranks",
+        type=int,
+        default=64,
+        metavar="R",
+        help="DP ranks per decode engine (default 64)",
+    )
+    p.add_argument(
+        "--policies",
+        metavar="LIST",
+        help="comma-separated policies to run (each in the pools that know it; default: all)",
+    )
+    p.add_argument(
+        "--max-requests",
+        type=int,
+        metavar="N",
+        help="replay only the first N requests of the trace",
+    )
+    p.add_argument(
+        "--cost",
+        default="h800_dsv3",
+        metavar="PRESET",
+        help="cost-model preset: h800_dsv3 (default) or unit",
+    )
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="time budget of a prefill rank's step plan (default 1.0)",
+    )
+    p.add_argument("--no-eplb", action="store_true", help="skip the EPLB comparison")
+    p.add_argument(
+        "--json",
+        type=Path,
+        metavar="PATH",
+        help="write the report as JSON (SPEC section 7; wall-clock seconds under 'timing')",
+    )
+    p.add_argument(
+        "--plot",
+        type=Path,
+        metavar="PATH",
+        help="save a figure (TTFT CDF per policy, balance efficiency over time); "
+        "needs matplotlib (pip install 'lbkit[plot]')",
+    )
+    p.set_defaults(run=run)
+
+
+class _Progress:
+    """A plain stderr progress line: live on a terminal, else one line per stage after 3 s."""
+
+    def __init__(self) -> None:
+        self.tty = sys.stderr.isatty()
+        self.start = time.perf_counter()
+        self.label = ""
+        self.shown = False
+
+    def __call__(self, label: str, done: int, total: int) -> None:
+        if self.tty:
+            frac = done / total if total else 1.0
+            bar = "#" * int(frac * 20)
+            sys.stderr.write(f"\r  {label:<26} [{bar:<20}] {done:>7,}/{total:,}")
+            sys.stderr.flush()
+            self.shown = True
+        elif label != self.label and time.perf_counter() - self.start > _PROGRESS_AFTER_S:
+            print(f"  ... {label}", file=sys.stderr, flush=True)
+        self.label = label
+
+    def close(self) -> None:
+        if self.tty and self.shown:
+            sys.stderr.write("\r" + " " * 70 + "\r")
+            sys.stderr.flush()
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if not (args.utilization > 0 and math.isfinite(args.utilization)):
+        raise ValueError(f"--utilization: must be a finite number > 0, got {args.utilization}")
+    for opt in ("prefill_engines", "ranks_per_engine", "decode_engines", "decode_ranks"):
+        if getattr(args, opt) < 1:
+            raise ValueError(f"--{opt.replace('_', '-')}: must be >= 1, got {getattr(args, opt)}")
+    if args.max_requests is not None and args.max_requests < 2:
+        raise ValueError(f"--max-requests: must be >= 2, got {args.max_requests}")
+    if args.seed < 0:
+        raise ValueError(f"--seed: must be >= 0, got {args.seed}")
+    if not (args.budget > 0 and math.isfinite(args.budget)):
+        raise ValueError(f"--budget: must be a finite number > 0, got {args.budget}")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Execute ``lbkit bench`` for parsed ``args``."""
+    _check_args(args)
+    from lbkit.sim.bench import load_bench_trace, run_bench
+    from lbkit.sim.policies import PREFILL_POLICIES
+    from lbkit.sim.policies_decode import DECODE_POLICIES
+    from lbkit.sim.workload import default_workload
+
+    if args.trace is not None:
+        trace = load_bench_trace(args.trace, format=args.format)
+    else:
+        trace = default_workload(rng=args.seed)
+    if args.max_requests is not None:
+        trace = trace.head(args.max_requests)
+    pp = dp = None
+    if args.policies is not None:
+        names = [t.strip() for t in args.policies.split(",") if t.strip()]
+        unknown = [n for n in names if n not in PREFILL_POLICIES and n not in DECODE_POLICIES]
+        if unknown or not names:
+            known = sorted(set(PREFILL_POLICIES) | set(DECODE_POLICIES))
+            raise ValueError(
+                f"--policies: unknown policy {unknown[0] if unknown else ''!r}; "
+                f"choose from {', '.join(known)}"
+            )
+        pp = [n for n in names if n in PREFILL_POLICIES] or ["lbkit"]
+        dp = [n for n in names if n in DECODE_POLICIES] or ["lbkit"]
+    progress = _Progress()
+    start = time.perf_counter()
+    try:
+        res = run_bench(
+            trace,
+            utilization=args.utilization,
+            seed=args.seed,
+            prefill_engines=args.prefill_engines,
+            ranks_per_engine=args.ranks_per_engine,
+            decode_engines=args.decode_engines,
+            decode_ranks=args.decode_ranks,
+            prefill_policies=pp,
+            decode_policies=dp,
+            cost=args.cost,
+            budget_s=args.budget,
+            eplb=not args.no_eplb,
+            progress=progress,
+        )
+    finally:
+        progress.close()
+    wall = time.perf_counter() - start
+    res.report["timing"]["wall_s"] = wall
+    _print_report(res.report, wall)
+    if args.json is not None:
+        args.json.write_text(json.dumps(res.report, indent=2) + "\n")
+    if args.plot is not None:
+        _plot(res, args.plot)
+    return 0
+
+
+def _fmt(v: Any, kind: str) -> str:
+    if v is None:
+        return "-"
+    if kind == "s":
+        return f"{v:.3f}" if v < 10 else f"{v:.1f}" if v < 1000 else f"{v:,.0f}"
+    if kind == "ms":
+        return f"{v * 1e3:.2f}"
+    if kind == "r":
+        return f"{v:.4f}"
+    if kind == "x":
+        return f"{v:.1f}"
+    return f"{int(v):,}"
+
+
+def _table(title: str, rows: dict[str, dict[str, Any]], cols: list[tuple[str, str, str, str]],
+           extra: list[tuple[str, dict[str, Any]]] = ()) -> None:  # fmt: skip
+    """cols: (key, header, format kind, best: 'max' | 'min' | '')."""
+    out = sys.stdout
+    print(title, file=out)
+    width = max([len(k) for k in rows] + [len(n) for n, _ in extra] + [8]) + 2
+    head = f"  {'policy':<{width}}" + "".join(f"{h:>{max(len(h) + 2, 10)}}" for _, h, _, _ in cols)
+    print(head, file=out)
+    print("  " + "-" * (len(head) - 2), file=out)
+    best: dict[str, Any] = {}
+    for key, _, _, rule in cols:
+        vals = [r[key] for r in rows.values() if r.get(key) is not None]
+        if rule and vals and len(rows) > 1:
+            best[key] = max(vals) if rule == "max" else min(vals)
+    for name, r in [*rows.items(), *extra]:
+        cells = []
+        for key, h, kind, _ in cols:
+            v = r.get(key)
+            mark = "*" if key in best and v == best[key] and name in rows else " "
+            cells.append(f"{_fmt(v, kind) + mark:>{max(len(h) + 2, 10)}}")
+        print(f"  {name:<{width}}" + "".join(cells), file=out)
+    print("", file=out)
+
+
+def _print_report(r: dict[str, Any], wall: float) -> None:
+    w, o = r["workload"], r["options"]
+    print(
+        f"lbkit bench: {w['source']}, {w['requests']:,} requests; prefill {o['prefill_engines']} "
+        f"x {o['ranks_per_engine']} ranks at utilisation {o['utilization']:g} (arrivals x "
+        f"{w['time_scale']:.4g}, {w['duration_s']:,.0f} s); decode {o['decode_engines']} x "
+        f"{o['decode_ranks']} ranks fed by the {o['decode_fed_by']} prefill run; cost "
+        f"{o['cost']}, seed {o['seed']}\n"
+    )
+    pre = r["prefill"]
+    if pre:
+        ref = next(iter(pre.values()))["reference"]
+        _table(
+            "Prefill (TTFT in seconds; slowdown = TTFT / prefill time alone)",
+            pre,
+            [
+                ("balance_efficiency", "balance", "r", "max"),
+                ("ttft_p50_s", "TTFT p50", "s", "min"),
+                ("ttft_p90_s", "p90", "s", "min"),
+                ("ttft_p99_s", "p99", "s", "min"),
+                ("ttft_slowdown_p99", "slowdown p99", "x", "min"),
+                ("finished", "finished", "n", ""),
+                ("refused", "refused", "n", ""),
+                ("in_flight", "in flight", "n", ""),
+            ],
+            [("perfect (fluid)", ref)],
+        )
+    dec = r["decode"]
+    if dec:
+        first = next(iter(dec.values()))
+        _table(
+            f"Decode (TPOT in ms; mean batch per rank {first['batch_per_rank_mean']:.2f}, "
+            f"count imbalance floor {first['reference']['count_imbalance']:.3f})",
+            dec,
+            [
+                ("balance_efficiency", "balance", "r", "max"),
+                ("count_imbalance", "count imb", "r", "min"),
+                ("kv_imbalance", "KV imb", "r", "min"),
+                ("tpot_p50_s", "TPOT p50", "ms", "min"),
+                ("tpot_p99_s", "p99", "ms", "min"),
+                ("finished", "finished", "n", ""),
+                ("refused", "refused", "n", ""),
+            ],
+            [("perfect", first["reference"])],
+        )
+    if "eplb" in r:
+        e = r["eplb"]
+        _table(
+            f"EPLB (built-in example {e['example']['num_layers']} x "
+            f"{e['example']['num_experts']}; moe_lb = max/mean GPU load)",
+            e["methods"],
+            [("moe_lb_mean", "moe_lb mean", "r", "min"), ("moe_lb_worst", "worst", "r", "min")],
+            [("lower bound", e["lower_bound"])],
+        )
+    rates = [v for v in r["timing"]["requests_per_s"].values() if v]
+    slowest = min(rates) if rates else float("nan")
+    print(
+        f"  '*' best in column. Wall time {wall:.1f} s; slowest policy replay "
+        f"{slowest:,.0f} requests/s."
+    )
+
+
+def _plot(res: Any, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError(
+            "--plot: needs matplotlib; install it with pip install 'lbkit[plot]'"
+        ) from None
+    import numpy as np
+
+    from lbkit.sim.metrics import balance_series
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, run in res.prefill_runs.items():
+        ttft = np.sort(run.ttft_s[run.finished])
+        if ttft.size:
+            ax1.plot(ttft, np.arange(1, ttft.size + 1) / ttft.size, label=name)
+        t, eta = balance_series(run.bin_s, run.bin_mean_s, run.bin_max_s)
+        ax2.plot(t, eta, label=name)
+    ax1.set_xscale("log")
+    ax1.set_xlabel("TTFT (s)")
+    ax1.set_ylabel("share of requests")
+    ax1.set_title("Prefill TTFT CDF")
+    ax2.set_xlabel("simulated time (s)")
+    ax2.set_ylabel("balance efficiency")
+    ax2.set_title("Prefill balance efficiency over time")
+    ax1.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

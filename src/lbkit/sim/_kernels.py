@@ -1,0 +1,464 @@
+"""numba kernels of the simulator's engine model (plain loops over clean numpy arrays).
+
+The state of a pool lives in a few 2-D arrays whose rows are named by the constants below, so a
+kernel call passes few arguments (numba's dispatch cost grows with their number). The public
+wrappers in :mod:`lbkit.sim.engine` validate inputs, allocate the arrays and call these kernels;
+nothing here validates.
+
+Prefill pool
+------------
+Requests: ``RI[RI_*, i]`` (int64) and ``RF[RF_*, i]`` (float64). Ranks (flat index
+``engine * ranks_per_engine + rank``): ``KI[KI_*, r]`` and ``KF[KF_*, r]``. Engines: ``EF[EF_*,
+e]`` and ``EI[EI_*, e]``. Each rank's queue is a singly linked FIFO list through ``RI_NEXT``.
+Cost and options: ``P[P_*]``. Accumulators: ``ACC[ACC_*]`` and, per time bin, ``BINS[BIN_*, j]``.
+
+An engine is *stepping* while ``EF_END < inf``. At a step's start every rank plans its FIFO queue
+(:func:`plan_rank`, the algorithm of :func:`lbkit.prefill.plan_chunks`) and records how many head
+requests it scheduled and the last one's chunk; the step lasts as long as the slowest rank. At the
+step's end the chunks are applied: whole requests leave the queue (their prefill ends then),
+the last one may stay with fewer tokens left. Requests routed during a step wait for the next one.
+
+Decode pool
+-----------
+Requests ``DI[DI_*, i]``, ``DF[DF_*, i]``; ranks ``DK[DK_*, r]``; engines ``DE[DE_*, e]``; active
+requests of engine ``e`` are ``ACT[e, :DE_NACT]`` (dense, swap-removed). Admitted requests wait in
+a per-engine FIFO list (``DI_NEXT``) and join at the next step. One step: every active request
+generates one token (its KV grows by one); a request leaves at the end of the step that generated
+its last token.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from lbkit.core._jit import jit
+
+__all__ = [
+    "decode_admit",
+    "decode_advance",
+    "plan_rank",
+    "prefill_admit",
+    "prefill_advance",
+    "prefill_alone",
+    "warmup",
+]
+
+# ---------------------------------------------------------------- prefill layout
+RI_REM, RI_PREFIX, RI_NEXT, RI_RANK, RI_UNCACHED, RI_REPORTED = 0, 1, 2, 3, 4, 5
+N_RI = 6
+RF_ARRIVAL, RF_FINISH, RF_QREPORT, RF_Q0 = 0, 1, 2, 3
+N_RF = 4
+KI_HEAD, KI_TAIL, KI_NREQ, KI_TOKENS, KI_SCHED, KI_LAST = 0, 1, 2, 3, 4, 5
+N_KI = 6
+KF_TIME, KF_BUSY = 0, 1
+N_KF = 2
+EF_END, EF_READY = 0, 1
+N_EF = 2
+EI_NREQ, EI_STEPS = 0, 1
+N_EI = 2
+P_A, P_B, P_K, P_Q, P_GAMMA, P_BUDGET, P_MIN_CHUNK, P_ALIGN, P_RANKS, P_REPORT = range(10)
+P_BIN_S = 10
+N_P = 11
+ACC_MEAN, ACC_MAX, ACC_STEPS, ACC_TOKENS, ACC_OVERRUNS, ACC_EVENTS_TOTAL = range(6)
+N_ACC = 6
+BIN_MEAN, BIN_MAX = 0, 1
+N_BIN = 2
+
+EV_FINISH, EV_PROGRESS = 0, 1
+
+# ---------------------------------------------------------------- decode layout
+DI_RANK, DI_LEFT, DI_KV, DI_NEXT, DI_POS = 0, 1, 2, 3, 4
+N_DI = 5
+DF_JOIN, DF_FINISH = 0, 1
+N_DF = 2
+DK_B, DK_S, DK_PB, DK_PS = 0, 1, 2, 3
+N_DK = 4
+DE_END, DE_READY, DE_NACT, DE_PHEAD, DE_PTAIL, DE_STEPS = 0, 1, 2, 3, 4, 5
+N_DE = 6
+D_A, D_B, D_K, D_MAX, D_RANKS, D_BIN_S = 0, 1, 2, 3, 4, 5
+N_D = 6
+DACC_MEAN, DACC_MAX, DACC_TIME, DACC_BIMB, DACC_SIMB, DACC_STEPS, DACC_TOKENS = range(7)
+DACC_BFLOOR = 7
+N_DACC = 8
+DBIN_MEAN, DBIN_MAX = 0, 1
+
+
+# ---------------------------------------------------------------- prefill
+@jit
+def _work(P, c, p):
+    # QuadraticCost.work of one chunk, in the same operation order as plan_chunks' _work.
+    if c <= 0:
+        return 0.0
+    return c * (P[P_B] + P[P_K] * p + P[P_Q] * c) + P[P_GAMMA] * p
+
+
+@jit
+def _solve(P, budget, p):
+    # QuadraticCost.solve_chunk with a = 0 (the variable model plan_chunks uses), align 1.
+    slack = budget - P[P_GAMMA] * p
+    if not slack > 0.0:
+        return 0
+    beta = P[P_B] + P[P_K] * p
+    root = 2.0 * slack / (beta + math.sqrt(beta * beta + 4.0 * P[P_Q] * slack))
+    c = np.int64(math.floor(min(root, 2.0**62)))
+    for _ in range(3):
+        c1 = c + 1
+        if c1 * (P[P_B] + P[P_K] * p + P[P_Q] * c1) + P[P_GAMMA] * p <= budget:
+            c = c1
+    for _ in range(3):
+        if c > 0 and c * (P[P_B] + P[P_K] * p + P[P_Q] * c) + P[P_GAMMA] * p > budget:
+            c -= 1
+    return c
+
+
+@jit
+def plan_rank(RI, P, head):
+    """Plan one step of the FIFO queue starting at ``head``: (count, last chunk, step time).
+
+    Mirrors :func:`lbkit.prefill.plan_chunks`: the fixed cost once, then each head request the
+    largest chunk that fits the budget left (only the last may be partial, aligned down, and at
+    least ``min_chunk``); if nothing fits, ``min_chunk`` tokens of the head (progress guarantee).
+    """
+    if head < 0:
+        return 0, 0, 0.0
+    budget = P[P_BUDGET]
+    align = np.int64(P[P_ALIGN])
+    min_chunk = np.int64(P[P_MIN_CHUNK])
+    total = P[P_A]
+    count = 0
+    last = 0
+    i = head
+    while i >= 0:
+        r = RI[RI_REM, i]
+        p = RI[RI_PREFIX, i]
+        left = budget - total
+        c = 0
+        if left > 0:
+            c = _solve(P, left, p)
+            if c > r:
+                c = r
+        while c > 0 and total + _work(P, c, p) > budget:
+            c -= 1
+        if c < r:
+            c = (c // align) * align
+            if c >= min_chunk:
+                count += 1
+                last = c
+                total += _work(P, c, p)
+            break
+        count += 1
+        last = c
+        total += _work(P, c, p)
+        i = RI[RI_NEXT, i]
+    if count == 0:
+        r = RI[RI_REM, head]
+        c = min_chunk if min_chunk < r else r
+        total = P[P_A] + _work(P, c, RI[RI_PREFIX, head])
+        return 1, c, total
+    return count, last, total
+
+
+@jit
+def prefill_alone(RI, P, out):
+    """Seconds each request's prefill takes alone on an idle rank (steps of the plan), into out."""
+    n = RI.shape[1]
+    tmp = np.empty((RI.shape[0], 1), dtype=np.int64)
+    for i in range(n):
+        tmp[RI_REM, 0] = RI[RI_UNCACHED, i]
+        tmp[RI_PREFIX, 0] = RI[RI_PREFIX, i]
+        tmp[RI_NEXT, 0] = -1
+        t = 0.0
+        while tmp[RI_REM, 0] > 0:
+            _, c, s = plan_rank(tmp, P, 0)
+            t += s
+            tmp[RI_REM, 0] -= c
+            tmp[RI_PREFIX, 0] += c
+        out[i] = t
+
+
+@jit
+def _quota(P, rem, p):
+    if rem <= 0:
+        return 0.0
+    return rem * (P[P_B] + P[P_K] * p + P[P_Q] * rem) + P[P_GAMMA] * p
+
+
+@jit
+def _start_step(e, RI, KI, KF, EF, EI, P, ACC, BINS):
+    ranks = np.int64(P[P_RANKS])
+    start = EF[EF_READY, e]
+    longest = 0.0
+    total = 0.0
+    for f in range(e * ranks, (e + 1) * ranks):
+        count, last, t = plan_rank(RI, P, KI[KI_HEAD, f])
+        KI[KI_SCHED, f] = count
+        KI[KI_LAST, f] = last
+        KF[KF_TIME, f] = t
+        KF[KF_BUSY, f] += t
+        total += t
+        if t > longest:
+            longest = t
+        if t > P[P_BUDGET]:
+            ACC[ACC_OVERRUNS] += 1.0
+    mean = total / ranks
+    EF[EF_END, e] = start + longest
+    EI[EI_STEPS, e] += 1
+    ACC[ACC_MEAN] += mean
+    ACC[ACC_MAX] += longest
+    ACC[ACC_STEPS] += 1.0
+    j = np.int64(start / P[P_BIN_S])
+    if j >= BINS.shape[1]:
+        j = BINS.shape[1] - 1
+    BINS[BIN_MEAN, j] += mean
+    BINS[BIN_MAX, j] += longest
+
+
+@jit
+def _end_step(e, RI, RF, KI, EF, EI, P, ACC, EVR, EVK, EVT, nev):
+    ranks = np.int64(P[P_RANKS])
+    end = EF[EF_END, e]
+    frac = P[P_REPORT]
+    for f in range(e * ranks, (e + 1) * ranks):
+        count = KI[KI_SCHED, f]
+        for s in range(count):
+            i = KI[KI_HEAD, f]
+            c = RI[RI_REM, i] if s < count - 1 else KI[KI_LAST, f]
+            RI[RI_REM, i] -= c
+            RI[RI_PREFIX, i] += c
+            KI[KI_TOKENS, f] -= c
+            ACC[ACC_TOKENS] += c
+            done = RI[RI_UNCACHED, i] - RI[RI_REM, i]
+            if RI[RI_REM, i] == 0:
+                RF[RF_FINISH, i] = end
+                nxt = RI[RI_NEXT, i]
+                KI[KI_HEAD, f] = nxt
+                if nxt < 0:
+                    KI[KI_TAIL, f] = -1
+                RI[RI_NEXT, i] = -1
+                KI[KI_NREQ, f] -= 1
+                EI[EI_NREQ, e] -= 1
+                EVR[nev] = i
+                EVK[nev] = EV_FINISH
+                EVT[nev] = done - RI[RI_REPORTED, i]
+                RI[RI_REPORTED, i] = done
+                nev += 1
+            else:
+                q = _quota(P, RI[RI_REM, i], RI[RI_PREFIX, i])
+                if RF[RF_QREPORT, i] - q >= frac * RF[RF_Q0, i]:
+                    EVR[nev] = i
+                    EVK[nev] = EV_PROGRESS
+                    EVT[nev] = done - RI[RI_REPORTED, i]
+                    RI[RI_REPORTED, i] = done
+                    RF[RF_QREPORT, i] = q
+                    nev += 1
+        KI[KI_SCHED, f] = 0
+        KI[KI_LAST, f] = 0
+    EF[EF_READY, e] = end
+    EF[EF_END, e] = np.inf
+    return nev
+
+
+@jit
+def prefill_admit(i, f, t, RI, KI, EF, EI, P):
+    """Append request ``i`` to the FIFO queue of flat rank ``f`` at time ``t``."""
+    RI[RI_RANK, i] = f
+    tail = KI[KI_TAIL, f]
+    if tail < 0:
+        KI[KI_HEAD, f] = i
+    else:
+        RI[RI_NEXT, tail] = i
+    KI[KI_TAIL, f] = i
+    KI[KI_NREQ, f] += 1
+    KI[KI_TOKENS, f] += RI[RI_REM, i]
+    e = f // np.int64(P[P_RANKS])
+    EI[EI_NREQ, e] += 1
+    if EF[EF_END, e] == np.inf:
+        EF[EF_READY, e] = t
+
+
+@jit
+def prefill_advance(t_until, RI, RF, KI, KF, EF, EI, P, ACC, BINS, EVR, EVK, EVT):
+    """Run every engine's steps up to ``t_until``; return (events written, finished flag).
+
+    A step that ends at or before ``t_until`` is applied; a new step starts only strictly before
+    ``t_until`` (requests arriving at ``t_until`` may still join it). Stops early, with flag 0,
+    when the event buffer could overflow; call again after draining it.
+    """
+    nev = 0
+    cap = EVR.shape[0]
+    ranks = np.int64(P[P_RANKS])
+    for e in range(EF.shape[1]):
+        while True:
+            if EF[EF_END, e] < np.inf:
+                if EF[EF_END, e] > t_until:
+                    break
+                need = 0
+                for f in range(e * ranks, (e + 1) * ranks):
+                    need += KI[KI_SCHED, f]
+                if nev + need > cap:
+                    return nev, 0
+                nev = _end_step(e, RI, RF, KI, EF, EI, P, ACC, EVR, EVK, EVT, nev)
+            elif EI[EI_NREQ, e] > 0 and EF[EF_READY, e] < t_until:
+                _start_step(e, RI, KI, KF, EF, EI, P, ACC, BINS)
+            else:
+                break
+    ACC[ACC_EVENTS_TOTAL] += nev
+    return nev, 1
+
+
+# ---------------------------------------------------------------- decode
+@jit
+def _rank_time(D, b, s):
+    if D[D_MAX] > 0.0:
+        x = D[D_B] * b
+        y = D[D_K] * s
+        return D[D_A] + (x if x > y else y)
+    return D[D_A] + D[D_B] * b + D[D_K] * s
+
+
+@jit
+def _decode_start(e, DI, DK, DE, ACT, D, ACC, BINS):
+    ranks = np.int64(D[D_RANKS])
+    # pending requests join
+    i = np.int64(DE[DE_PHEAD, e])
+    nact = np.int64(DE[DE_NACT, e])
+    while i >= 0:
+        nxt = DI[DI_NEXT, i]
+        ACT[e, nact] = i
+        DI[DI_POS, i] = nact
+        DI[DI_NEXT, i] = -1
+        nact += 1
+        i = nxt
+    DE[DE_NACT, e] = nact
+    DE[DE_PHEAD, e] = -1
+    DE[DE_PTAIL, e] = -1
+    longest = 0.0
+    total = 0.0
+    bmax = 0.0
+    btot = 0.0
+    smax = 0.0
+    stot = 0.0
+    for f in range(e * ranks, (e + 1) * ranks):
+        DK[DK_PB, f] = 0
+        DK[DK_PS, f] = 0
+        b = DK[DK_B, f]
+        s = DK[DK_S, f]
+        t = _rank_time(D, b, s)
+        total += t
+        if t > longest:
+            longest = t
+        btot += b
+        stot += s
+        if b > bmax:
+            bmax = b
+        if s > smax:
+            smax = s
+    start = DE[DE_READY, e]
+    DE[DE_END, e] = start + longest
+    mean = total / ranks
+    ACC[DACC_MEAN] += mean
+    ACC[DACC_MAX] += longest
+    ACC[DACC_TIME] += longest
+    ACC[DACC_BIMB] += longest * (bmax * ranks / btot if btot > 0 else 1.0)
+    ACC[DACC_SIMB] += longest * (smax * ranks / stot if stot > 0 else 1.0)
+    if btot > 0:
+        # Integer counts: the best possible max/mean is ceil(mean)/mean.
+        ACC[DACC_BFLOOR] += longest * (math.ceil(btot / ranks) * ranks / btot)
+    else:
+        ACC[DACC_BFLOOR] += longest
+    ACC[DACC_STEPS] += 1.0
+    ACC[DACC_TOKENS] += btot
+    j = np.int64(start / D[D_BIN_S])
+    if j >= BINS.shape[1]:
+        j = BINS.shape[1] - 1
+    BINS[DBIN_MEAN, j] += mean
+    BINS[DBIN_MAX, j] += longest
+
+
+@jit
+def _decode_end(e, DI, DF, DK, DE, ACT, D, EVR, nev):
+    ranks = np.int64(D[D_RANKS])
+    end = DE[DE_END, e]
+    for f in range(e * ranks, (e + 1) * ranks):
+        DK[DK_S, f] += DK[DK_B, f] - DK[DK_PB, f]
+    k = 0
+    nact = np.int64(DE[DE_NACT, e])
+    while k < nact:
+        i = ACT[e, k]
+        DI[DI_KV, i] += 1
+        DI[DI_LEFT, i] -= 1
+        if DI[DI_LEFT, i] == 0:
+            f = DI[DI_RANK, i]
+            DK[DK_B, f] -= 1
+            DK[DK_S, f] -= DI[DI_KV, i]
+            DF[DF_FINISH, i] = end
+            EVR[nev] = i
+            nev += 1
+            nact -= 1
+            last = ACT[e, nact]
+            ACT[e, k] = last
+            DI[DI_POS, last] = k
+            DI[DI_POS, i] = -1
+        else:
+            k += 1
+    DE[DE_NACT, e] = nact
+    DE[DE_READY, e] = end
+    DE[DE_END, e] = np.inf
+    DE[DE_STEPS, e] += 1
+    return nev
+
+
+@jit
+def decode_admit(i, f, t, DI, DF, DK, DE, D):
+    """Admit request ``i`` to flat rank ``f`` at time ``t``; it joins the engine's next step."""
+    DI[DI_RANK, i] = f
+    DF[DF_JOIN, i] = t
+    kv = DI[DI_KV, i]
+    DK[DK_B, f] += 1
+    DK[DK_S, f] += kv
+    DK[DK_PB, f] += 1
+    DK[DK_PS, f] += kv
+    e = f // np.int64(D[D_RANKS])
+    tail = np.int64(DE[DE_PTAIL, e])
+    if tail < 0:
+        DE[DE_PHEAD, e] = i
+    else:
+        DI[DI_NEXT, tail] = i
+    DE[DE_PTAIL, e] = i
+    if DE[DE_END, e] == np.inf:
+        DE[DE_READY, e] = t
+
+
+@jit
+def decode_advance(t_until, DI, DF, DK, DE, ACT, D, ACC, BINS, EVR):
+    """Run every decode engine's steps up to ``t_until``; return (events, finished flag)."""
+    nev = 0
+    cap = EVR.shape[0]
+    for e in range(DE.shape[1]):
+        while True:
+            if DE[DE_END, e] < np.inf:
+                if DE[DE_END, e] > t_until:
+                    break
+                if nev + DE[DE_NACT, e] > cap:
+                    return nev, 0
+                nev = _decode_end(e, DI, DF, DK, DE, ACT, D, EVR, nev)
+            elif (DE[DE_NACT, e] > 0 or DE[DE_PHEAD, e] >= 0) and DE[DE_READY, e] < t_until:
+                _decode_start(e, DI, DK, DE, ACT, D, ACC, BINS)
+            else:
+                break
+    return nev, 1
+
+
+def warmup() -> None:
+    """Compile every kernel of :mod:`lbkit.sim` on a tiny scenario."""
+    from lbkit.core.cost import PRESETS
+    from lbkit.sim.engine import simulate_decode, simulate_prefill
+    from lbkit.sim.traces import Trace
+
+    trace = Trace(arrival_s=[0.0, 0.5, 1.0], total_tokens=[100, 2000, 300], output_tokens=[3, 1, 5])
+    unit = PRESETS["unit"]
+    run = simulate_prefill(trace, "round_robin", num_engines=2, ranks_per_engine=2,
+                           cost=unit.prefill, budget_s=500.0)  # fmt: skip
+    simulate_decode(run, "round_robin", num_engines=1, ranks_per_engine=2, cost=unit.decode)

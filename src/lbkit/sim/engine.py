@@ -1,0 +1,698 @@
+"""The engine model: a deterministic discrete-event replay of a prefill pool and a decode pool.
+
+**Prefill pool.** ``num_engines`` engines of ``ranks_per_engine`` ranks. A request is routed at
+its arrival by a prefill policy (:mod:`lbkit.sim.policies`) to one rank, where it joins a FIFO
+queue and stays until its uncached tokens are prefilled. An engine with work steps
+synchronously: at a step's start each rank plans its queue with the per-GPU plan of SPEC §2.5
+(:func:`lbkit.prefill.plan_chunks` under the time budget ``budget_s``), and the step lasts as long
+as the slowest rank's plan (``QuadraticCost``: fixed cost once, then the chunks' work). Chunks are
+applied at the step's end; a request whose last token is prefilled then has its *time to first
+token* (TTFT) and is handed to the decode pool at that instant. Requests routed during a step
+wait for the next one; an engine that ends a step at the instant of an arrival starts its next
+step after routing that arrival (ties between a step end and an arrival go to the arrival).
+
+**Decode pool.** ``num_engines`` engines of ``ranks_per_engine`` ranks (default one engine of 64).
+A request arriving from prefill is routed by a decode policy (:mod:`lbkit.sim.policies_decode`)
+to a rank, with ``total_tokens`` KV tokens (its prompt), and joins at the engine's next step. One
+synchronous step costs ``max_r DecodeCost.step_time(B_r, S_r)`` over the engine's ranks (``B_r``
+requests holding ``S_r`` KV tokens; an idle rank still steps and pays the fixed cost); every
+active request generates one token and its KV grows by one. A request with ``o`` output tokens
+needs ``o - 1`` decode steps (prefill produced the first token); ``o = 1`` finishes at handover.
+
+Time starts at the first arrival's time stamp as it is in the trace; nothing reads a clock.
+Policies get every piece of information through a *view* (read-only arrays of the pool's state)
+and a stream of events (finished requests, prefill progress), never the simulator's internals.
+
+**Utilisation** (:func:`utilization_factor`): the prefill work of a trace is
+``W = sum_i cost.quota(uncached_i, cached_i)`` seconds of one rank (the fixed cost per step
+excluded); arrivals spanning ``D`` seconds offer ``W / (D * N)`` to ``N`` prefill ranks. The trace
+is time-scaled by ``f = W / (U * N * D)`` so that this offered utilisation equals ``U``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from lbkit.core.cost import DecodeCost, QuadraticCost
+from lbkit.core.validation import as_rng, check_int, check_real
+from lbkit.sim import _kernels as K
+from lbkit.sim.traces import Trace
+
+__all__ = [
+    "DecodeRun",
+    "DecodeView",
+    "PrefillRun",
+    "PrefillView",
+    "prefill_work_s",
+    "scale_to_utilization",
+    "simulate_decode",
+    "simulate_prefill",
+    "utilization_factor",
+]
+
+#: Number of time bins of the balance-over-time series.
+NUM_BINS = 200
+
+
+class PrefillView(NamedTuple):
+    """What a prefill policy may read: the pool's shape and per-rank state (read-only arrays).
+
+    Attributes
+    ----------
+    num_engines, ranks_per_engine : int
+    num_requests : ndarray of int64, shape (ranks,)
+        Requests queued or running on each rank (flat index ``engine * ranks_per_engine + r``).
+    tokens : ndarray of int64, shape (ranks,)
+        Uncached prompt tokens still to prefill on each rank.
+    """
+
+    num_engines: int
+    ranks_per_engine: int
+    num_requests: np.ndarray
+    tokens: np.ndarray
+
+
+class DecodeView(NamedTuple):
+    """What a decode policy may read (read-only arrays, flat rank index).
+
+    Attributes
+    ----------
+    num_engines, ranks_per_engine : int
+    num_requests : ndarray of int64, shape (ranks,)
+        Requests admitted to each rank (running or waiting for the next step), ``B_r``.
+    kv_tokens : ndarray of int64, shape (ranks,)
+        KV tokens they hold, ``S_r``.
+    steps : ndarray of int64, shape (engines,)
+        Decode steps each engine has completed so far (each grew every running request's KV by
+        one token).
+    max_batch, max_kv_tokens : int or None
+        Per-rank capacities (``None``: unlimited); a policy must not exceed them.
+    """
+
+    num_engines: int
+    ranks_per_engine: int
+    num_requests: np.ndarray
+    kv_tokens: np.ndarray
+    steps: np.ndarray
+    max_batch: int | None
+    max_kv_tokens: int | None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PrefillRun:
+    """Outcome of :func:`simulate_prefill` (arrays in trace order).
+
+    Attributes
+    ----------
+    policy : str
+    trace : Trace
+        The replayed trace (after any time scaling).
+    num_engines, ranks_per_engine : int
+    cost : QuadraticCost
+    budget_s : float
+    rank : ndarray of int64
+        Flat rank of each request; -1 if refused.
+    finish_s : ndarray of float64
+        End of the step that finished its prefill (``nan``: refused or still in flight).
+    alone_s : ndarray of float64
+        Its prefill time alone on an idle rank under the same plan (the slowdown denominator).
+    step_mean_s, step_max_s : float
+        Sums over all engine steps of the mean and the max over the engine's ranks of the
+        modelled rank time (the numerator and denominator of balance efficiency).
+    num_steps, overruns : int
+        Engine steps; rank plans over budget (progress guarantee).
+    tokens_computed : int
+        Prompt tokens prefilled (work conservation: the uncached tokens of finished requests plus
+        the progress of requests in flight).
+    rank_busy_s : ndarray, shape (ranks,)
+        Modelled busy seconds of each rank.
+    bin_s : float
+        Width of the time bins of ``bin_mean_s`` / ``bin_max_s`` (per-bin sums as above).
+    end_s : float
+        Time at which the replay stopped (last step end, or the horizon).
+    num_arrived : int
+        Requests that arrived before the replay stopped (the first ``num_arrived`` of the trace).
+    """
+
+    policy: str
+    trace: Trace
+    num_engines: int
+    ranks_per_engine: int
+    cost: QuadraticCost
+    budget_s: float
+    rank: np.ndarray
+    finish_s: np.ndarray
+    alone_s: np.ndarray
+    step_mean_s: float
+    step_max_s: float
+    num_steps: int
+    overruns: int
+    tokens_computed: int
+    rank_busy_s: np.ndarray
+    bin_s: float
+    bin_mean_s: np.ndarray
+    bin_max_s: np.ndarray
+    end_s: float
+    num_arrived: int
+
+    @property
+    def refused(self) -> np.ndarray:
+        """Boolean mask of refused requests (arrived, not routed)."""
+        return (self.rank < 0) & (np.arange(self.rank.shape[0]) < self.num_arrived)
+
+    @property
+    def finished(self) -> np.ndarray:
+        """Boolean mask of requests whose prefill finished."""
+        return ~np.isnan(self.finish_s)
+
+    @property
+    def ttft_s(self) -> np.ndarray:
+        """Time to first token (``nan`` where not finished)."""
+        return self.finish_s - self.trace.arrival_s
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DecodeRun:
+    """Outcome of :func:`simulate_decode` (arrays in trace order).
+
+    Attributes
+    ----------
+    policy : str
+    num_engines, ranks_per_engine : int
+    cost : DecodeCost
+    handover_s : ndarray
+        Time each request entered decode (its prefill end; ``nan`` if it never did).
+    rank : ndarray of int64
+        Decode rank (-1: refused or never entered; -2: finished at handover, ``o = 1``).
+    finish_s : ndarray
+        End of the step that generated the last token (``nan``: not finished).
+    output_tokens : ndarray of int64
+    step_mean_s, step_max_s : float
+        Balance-efficiency sums over engine steps (modelled rank times).
+    step_time_s : float
+        Sum of step durations (time-weighting of the imbalances).
+    count_imbalance_s, kv_imbalance_s : float
+        Sums over steps of ``duration * max_r B_r / mean_r B_r`` (and for ``S_r``).
+    count_floor_s : float
+        Sum over steps of ``duration * ceil(mean_r B_r) / mean_r B_r``: the smallest count
+        imbalance integer request counts allow.
+    num_steps, tokens_generated : int
+    bin_s : float
+    bin_mean_s, bin_max_s : ndarray
+    end_s : float
+    """
+
+    policy: str
+    num_engines: int
+    ranks_per_engine: int
+    cost: DecodeCost
+    handover_s: np.ndarray
+    rank: np.ndarray
+    finish_s: np.ndarray
+    output_tokens: np.ndarray
+    step_mean_s: float
+    step_max_s: float
+    step_time_s: float
+    count_imbalance_s: float
+    kv_imbalance_s: float
+    count_floor_s: float
+    num_steps: int
+    tokens_generated: int
+    bin_s: float
+    bin_mean_s: np.ndarray
+    bin_max_s: np.ndarray
+    end_s: float
+
+    @property
+    def arrived(self) -> np.ndarray:
+        """Requests that reached the decode pool."""
+        return ~np.isnan(self.handover_s)
+
+    @property
+    def refused(self) -> np.ndarray:
+        """Requests refused by the decode policy."""
+        return self.arrived & (self.rank == -1)
+
+    @property
+    def finished(self) -> np.ndarray:
+        """Requests that generated all their tokens."""
+        return ~np.isnan(self.finish_s)
+
+    @property
+    def tpot_s(self) -> np.ndarray:
+        """Time per output token after the first, ``(finish - handover) / (o - 1)`` (else nan)."""
+        with np.errstate(invalid="ignore", divide="ignore"):
+            out = (self.finish_s - self.handover_s) / (self.output_tokens - 1)
+        return np.where(self.output_tokens > 1, out, np.nan)
+
+
+# ------------------------------------------------------------------------ utilisation
+def prefill_work_s(trace: Trace, cost: QuadraticCost) -> np.ndarray:
+    """Quota of every request: ``cost.quota(total - cached, cached)`` seconds of one rank."""
+    if not isinstance(trace, Trace):
+        raise TypeError(f"trace: must be a Trace, got {type(trace).__name__}")
+    if not isinstance(cost, QuadraticCost):
+        raise TypeError(f"cost: must be a QuadraticCost, got {type(cost).__name__}")
+    return np.asarray(
+        cost.quota(trace.total_tokens - trace.cached_tokens, trace.cached_tokens), dtype=np.float64
+    ).reshape(-1)
+
+
+def utilization_factor(
+    trace: Trace, utilization: float, /, *, num_ranks: int, cost: QuadraticCost
+) -> float:
+    """Time-scaling factor ``f = W / (U * N * D)`` that makes the offered utilisation ``U``.
+
+    ``W`` is the trace's total prefill quota (seconds of one rank), ``D`` the span of its
+    arrivals, ``N = num_ranks``. Multiplying every arrival by ``f`` makes ``W / (f D N) = U``.
+
+    Raises
+    ------
+    ValueError
+        ``utilization <= 0``, ``num_ranks < 1``, fewer than two distinct arrival times.
+
+    Examples
+    --------
+    >>> from lbkit.core import PRESETS
+    >>> t = Trace(arrival_s=[0.0, 10.0], total_tokens=[1000, 1000], output_tokens=[1, 1])
+    >>> utilization_factor(t, 0.5, num_ranks=2, cost=PRESETS["unit"].prefill)
+    300.0
+    """
+    u = check_real(utilization, "utilization", min_value=0.0, strict_min=True)
+    n = check_int(num_ranks, "num_ranks", min_value=1)
+    work = float(prefill_work_s(trace, cost).sum())
+    span = float(trace.arrival_s[-1] - trace.arrival_s[0]) if len(trace) else 0.0
+    if not span > 0:
+        raise ValueError(
+            "trace: arrivals must span a positive time to be scaled to a utilisation "
+            f"(got {len(trace)} requests over {span} s)"
+        )
+    return work / (u * n * span)
+
+
+def scale_to_utilization(
+    trace: Trace, utilization: float, /, *, num_ranks: int, cost: QuadraticCost
+) -> tuple[Trace, float]:
+    """The trace time-scaled to offered prefill utilisation ``utilization``, and the factor.
+
+    Arrivals are shifted to start at 0 before scaling.
+    """
+    f = utilization_factor(trace, utilization, num_ranks=num_ranks, cost=cost)
+    shifted = trace.arrival_s - trace.arrival_s[0]
+    return dataclasses.replace(trace, arrival_s=shifted * f), f
+
+
+# ------------------------------------------------------------------------ prefill
+def _policy_of(policy: Any, table: Mapping[str, Callable[..., Any]], kind: str, *args, **kw):
+    if isinstance(policy, str):
+        if policy not in table:
+            raise ValueError(
+                f"policy: unknown {kind} policy {policy!r}; choose from {', '.join(table)}"
+            )
+        return policy, table[policy](*args, **kw)
+    if not (hasattr(policy, "route") and hasattr(policy, "observe")):
+        raise TypeError(
+            f"policy: must be a {kind} policy name or an object with route() and observe(), "
+            f"got {type(policy).__name__}"
+        )
+    return getattr(policy, "name", type(policy).__name__), policy
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    v = a.view()
+    v.setflags(write=False)
+    return v
+
+
+def _horizon(horizon_s: Any) -> float:
+    if horizon_s is None:
+        return math.inf
+    return check_real(horizon_s, "horizon_s", min_value=0.0)
+
+
+def _prefill_iv(trace, num_engines, ranks_per_engine, cost, budget_s, min_chunk, align, report):
+    if not isinstance(trace, Trace):
+        raise TypeError(f"trace: must be a Trace, got {type(trace).__name__}")
+    e = check_int(num_engines, "num_engines", min_value=1)
+    r = check_int(ranks_per_engine, "ranks_per_engine", min_value=1)
+    if not isinstance(cost, QuadraticCost):
+        raise TypeError(f"cost: must be a QuadraticCost, got {type(cost).__name__}")
+    budget = check_real(budget_s, "budget_s", min_value=0.0, strict_min=True)
+    min_chunk = check_int(min_chunk, "min_chunk", min_value=1)
+    align = check_int(align, "align", min_value=1)
+    report = check_real(report, "report_quantum", min_value=0.0, max_value=1.0)
+    return e, r, budget, min_chunk, align, report
+
+
+def simulate_prefill(
+    trace: Trace,
+    policy: Any,
+    /,
+    *,
+    num_engines: int = 16,
+    ranks_per_engine: int = 4,
+    cost: QuadraticCost,
+    budget_s: float = 1.0,
+    min_chunk: int = 1,
+    align: int = 1,
+    report_quantum: float = 0.02,
+    horizon_s: float | None = None,
+    rng: np.random.Generator | int | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> PrefillRun:
+    """Replay ``trace`` through a prefill pool routed by ``policy``.
+
+    Parameters
+    ----------
+    trace : Trace
+        Requests in arrival order (times as they should be simulated; see
+        :func:`scale_to_utilization`).
+    policy : str or policy object
+        A key of :data:`lbkit.sim.policies.PREFILL_POLICIES`, or an object with ``route`` and
+        ``observe`` (see :mod:`lbkit.sim.policies`).
+    num_engines, ranks_per_engine : int
+        Pool shape (default 16 x 4).
+    cost : QuadraticCost
+        Prefill step cost of one rank.
+    budget_s : float, default 1.0
+        Time budget ``tau`` of a rank's step plan.
+    min_chunk, align : int
+        Options of the plan (:func:`lbkit.prefill.plan_chunks`).
+    report_quantum : float in [0, 1], default 0.02
+        A request's prefill progress is reported to the policy when its remaining quota has
+        fallen by at least this share of its initial quota since the last report (0: after every
+        step); completions are always reported. Models engine progress reports and keeps the
+        event stream short for long prompts.
+    horizon_s : float, optional
+        Stop at this time (requests not finished by then are *in flight*). Default: run until
+        every routed request is prefilled.
+    rng : numpy Generator, int seed or None
+        Seed of randomised policies (``None`` means seed 0).
+    on_progress : callable(done, total), optional
+        Called every 1,000 arrivals (for progress bars; never affects the result).
+
+    Returns
+    -------
+    PrefillRun
+
+    Runtime complexity: O(requests * route + steps * ranks_per_engine * requests per step).
+
+    Examples
+    --------
+    >>> from lbkit.core import PRESETS
+    >>> t = Trace(arrival_s=[0.0, 0.0, 1.0], total_tokens=[100, 300, 200], output_tokens=[1, 1, 1])
+    >>> run = simulate_prefill(t, "round_robin", num_engines=1, ranks_per_engine=2,
+    ...                        cost=PRESETS["unit"].prefill, budget_s=1000.0)
+    >>> run.rank.tolist(), run.finish_s.tolist()
+    ([0, 1, 0], [346.0, 346.0, 567.0])
+    """
+    e, r, budget, min_chunk, align, report = _prefill_iv(
+        trace, num_engines, ranks_per_engine, cost, budget_s, min_chunk, align, report_quantum
+    )
+    horizon = _horizon(horizon_s)
+    gen = as_rng(rng)
+    name, pol = _policy_of(policy, _prefill_table(), "prefill", e, r, cost=cost, rng=gen)
+    n = len(trace)
+    nr = e * r
+    arrival = trace.arrival_s
+    total = trace.total_tokens
+    cached = trace.cached_tokens
+    uncached = total - cached
+
+    RI = np.zeros((K.N_RI, n), dtype=np.int64)
+    RI[K.RI_REM] = uncached
+    RI[K.RI_PREFIX] = cached
+    RI[K.RI_NEXT] = -1
+    RI[K.RI_RANK] = -1
+    RI[K.RI_UNCACHED] = uncached
+    RF = np.zeros((K.N_RF, n))
+    RF[K.RF_ARRIVAL] = arrival
+    RF[K.RF_FINISH] = np.nan
+    q0 = prefill_work_s(trace, cost) if n else np.zeros(0)
+    RF[K.RF_QREPORT] = q0
+    RF[K.RF_Q0] = q0
+    KI = np.zeros((K.N_KI, nr), dtype=np.int64)
+    KI[K.KI_HEAD] = -1
+    KI[K.KI_TAIL] = -1
+    KF = np.zeros((K.N_KF, nr))
+    EF = np.zeros((K.N_EF, e))
+    EF[K.EF_END] = np.inf
+    EI = np.zeros((K.N_EI, e), dtype=np.int64)
+    # Time bins cover the arrivals plus the same span again for the drain (the last bin takes
+    # everything later).
+    bin_s = max(2.0 * float(arrival[-1]), 1e-9) / K_BINS if n else 1.0
+    P = np.array(
+        [cost.a, cost.b, cost.k, cost.q, cost.gamma, budget, min_chunk, align, r, report, bin_s],
+        dtype=np.float64,
+    )
+    ACC = np.zeros(K.N_ACC)
+    BINS = np.zeros((K.N_BIN, K_BINS))
+    cap = n + 2 * nr + 16
+    EVR = np.zeros(cap, dtype=np.int64)
+    EVK = np.zeros(cap, dtype=np.int64)
+    EVT = np.zeros(cap, dtype=np.int64)
+    alone = np.zeros(n)
+    if n:
+        K.prefill_alone(RI, P, alone)
+
+    view = PrefillView(e, r, _readonly(KI[K.KI_NREQ]), _readonly(KI[K.KI_TOKENS]))
+    observe = pol.observe
+    route = pol.route
+    advance = K.prefill_advance
+    admit = K.prefill_admit
+
+    def _advance(t: float) -> None:
+        while True:
+            nev, complete = advance(t, RI, RF, KI, KF, EF, EI, P, ACC, BINS, EVR, EVK, EVT)
+            if nev:
+                now = t if t < math.inf else float(EF[K.EF_READY].max())
+                observe(EVR[:nev], EVK[:nev], EVT[:nev], now_s=now)
+            if complete:
+                return
+
+    arrived = 0
+    for i in range(n):
+        t = float(arrival[i])
+        if t > horizon:
+            break
+        arrived += 1
+        _advance(t)
+        f = route(i, int(total[i]), int(cached[i]), now_s=t, view=view)
+        if f < 0:
+            continue
+        if not 0 <= f < nr:
+            raise ValueError(f"policy {name!r} returned rank {f} outside [0, {nr})")
+        admit(i, f, t, RI, KI, EF, EI, P)
+        if on_progress is not None and (i + 1) % 1000 == 0:
+            on_progress(i + 1, n)
+    _advance(horizon)
+    end = float(np.nanmax(RF[K.RF_FINISH])) if n and (RI[K.RI_RANK] >= 0).any() else 0.0
+    if horizon < math.inf:
+        end = horizon
+    rank = RI[K.RI_RANK].copy()
+    return PrefillRun(
+        policy=name,
+        trace=trace,
+        num_engines=e,
+        ranks_per_engine=r,
+        cost=cost,
+        budget_s=budget,
+        rank=rank,
+        finish_s=RF[K.RF_FINISH].copy(),
+        alone_s=alone,
+        step_mean_s=float(ACC[K.ACC_MEAN]),
+        step_max_s=float(ACC[K.ACC_MAX]),
+        num_steps=int(ACC[K.ACC_STEPS]),
+        overruns=int(ACC[K.ACC_OVERRUNS]),
+        tokens_computed=int(ACC[K.ACC_TOKENS]),
+        rank_busy_s=KF[K.KF_BUSY].copy(),
+        bin_s=bin_s,
+        bin_mean_s=BINS[K.BIN_MEAN].copy(),
+        bin_max_s=BINS[K.BIN_MAX].copy(),
+        end_s=end if not math.isnan(end) else 0.0,
+        num_arrived=arrived,
+    )
+
+
+K_BINS = NUM_BINS
+
+
+def _prefill_table():
+    from lbkit.sim.policies import PREFILL_POLICIES
+
+    return PREFILL_POLICIES
+
+
+def _decode_table():
+    from lbkit.sim.policies_decode import DECODE_POLICIES
+
+    return DECODE_POLICIES
+
+
+# ------------------------------------------------------------------------ decode
+def simulate_decode(
+    prefill: PrefillRun,
+    policy: Any,
+    /,
+    *,
+    num_engines: int = 1,
+    ranks_per_engine: int = 64,
+    cost: DecodeCost,
+    max_batch: int | None = None,
+    max_kv_tokens: int | None = None,
+    horizon_s: float | None = None,
+    rng: np.random.Generator | int | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> DecodeRun:
+    """Replay the handovers of a prefill run through a decode pool routed by ``policy``.
+
+    Every request whose prefill finished enters decode at its prefill end with ``total_tokens``
+    KV tokens (ties in handover time keep trace order) and needs ``output_tokens - 1`` steps.
+
+    Parameters
+    ----------
+    prefill : PrefillRun
+    policy : str or policy object
+        A key of :data:`lbkit.sim.policies_decode.DECODE_POLICIES` or an object with ``route``
+        and ``observe`` (see :mod:`lbkit.sim.policies_decode`).
+    num_engines, ranks_per_engine : int
+        Pool shape (default one engine of 64 ranks).
+    cost : DecodeCost
+    max_batch, max_kv_tokens : int, optional
+        Per-rank capacities; a request no rank can take is refused.
+    horizon_s : float, optional
+        Stop at this time; default: run until every admitted request finished.
+    rng : numpy Generator, int seed or None
+    on_progress : callable(done, total), optional
+
+    Returns
+    -------
+    DecodeRun
+
+    Examples
+    --------
+    >>> from lbkit.core import PRESETS
+    >>> t = Trace(arrival_s=[0.0, 0.0], total_tokens=[100, 300], output_tokens=[3, 2])
+    >>> unit = PRESETS["unit"]
+    >>> pre = simulate_prefill(t, "round_robin", num_engines=1, ranks_per_engine=2,
+    ...                        cost=unit.prefill, budget_s=1000.0)
+    >>> dec = simulate_decode(pre, "round_robin", num_engines=1, ranks_per_engine=2,
+    ...                       cost=unit.decode)
+    >>> dec.handover_s.tolist(), dec.finish_s.tolist()
+    ([346.0, 346.0], [350.401, 348.3])
+    """
+    if not isinstance(prefill, PrefillRun):
+        raise TypeError(f"prefill: must be a PrefillRun, got {type(prefill).__name__}")
+    e = check_int(num_engines, "num_engines", min_value=1)
+    r = check_int(ranks_per_engine, "ranks_per_engine", min_value=1)
+    if not isinstance(cost, DecodeCost):
+        raise TypeError(f"cost: must be a DecodeCost, got {type(cost).__name__}")
+    mb = None if max_batch is None else check_int(max_batch, "max_batch", min_value=1)
+    mk = None if max_kv_tokens is None else check_int(max_kv_tokens, "max_kv_tokens", min_value=1)
+    horizon = _horizon(horizon_s)
+    gen = as_rng(rng)
+    name, pol = _policy_of(policy, _decode_table(), "decode", e, r, cost=cost, rng=gen)
+    trace = prefill.trace
+    n = len(trace)
+    nr = e * r
+    handover = prefill.finish_s.copy()
+    kv0 = trace.total_tokens
+    out = trace.output_tokens
+    order = np.argsort(np.where(np.isnan(handover), np.inf, handover), kind="stable")
+    order = order[~np.isnan(handover[order])]
+
+    DI = np.zeros((K.N_DI, n), dtype=np.int64)
+    DI[K.DI_RANK] = -1
+    DI[K.DI_LEFT] = out - 1
+    DI[K.DI_KV] = kv0
+    DI[K.DI_NEXT] = -1
+    DI[K.DI_POS] = -1
+    DF = np.full((K.N_DF, n), np.nan)
+    DK = np.zeros((K.N_DK, nr), dtype=np.int64)
+    DE = np.zeros((K.N_DE, e))
+    DE[K.DE_END] = np.inf
+    DE[K.DE_PHEAD] = -1
+    DE[K.DE_PTAIL] = -1
+    steps = np.zeros(e, dtype=np.int64)
+    ACT = np.zeros((e, max(n, 1)), dtype=np.int64)
+    start = float(handover[order[0]]) if order.size else 0.0
+    stop = float(handover[order[-1]]) if order.size else 1.0
+    span = max(stop - start, 1e-9)
+    bin_s = 2.0 * max(stop, span) / K_BINS
+    D = np.array(
+        [cost.a, cost.b, cost.k, 1.0 if cost.combine == "max" else 0.0, r, bin_s],
+        dtype=np.float64,
+    )
+    ACC = np.zeros(K.N_DACC)
+    BINS = np.zeros((2, K_BINS))
+    EVR = np.zeros(n + 16, dtype=np.int64)
+    view = DecodeView(e, r, _readonly(DK[K.DK_B]), _readonly(DK[K.DK_S]), _readonly(steps), mb, mk)
+    observe = pol.observe
+    route = pol.route
+    advance = K.decode_advance
+    admit = K.decode_admit
+
+    def _advance(t: float) -> None:
+        while True:
+            nev, complete = advance(t, DI, DF, DK, DE, ACT, D, ACC, BINS, EVR)
+            steps[:] = DE[K.DE_STEPS]
+            if nev:
+                now = t if t < math.inf else float(DE[K.DE_READY].max())
+                observe(EVR[:nev], now_s=now, view=view)
+            if complete:
+                return
+
+    count = order.size
+    for j, i in enumerate(order.tolist()):
+        t = float(handover[i])
+        if t > horizon:
+            break
+        if out[i] == 1:
+            DI[K.DI_RANK, i] = -2
+            DF[K.DF_JOIN, i] = t
+            DF[K.DF_FINISH, i] = t
+            continue
+        _advance(t)
+        f = route(i, int(kv0[i]), now_s=t, view=view)
+        if f >= 0:
+            if not 0 <= f < nr:
+                raise ValueError(f"policy {name!r} returned rank {f} outside [0, {nr})")
+            if (mb is not None and DK[K.DK_B, f] + 1 > mb) or (
+                mk is not None and DK[K.DK_S, f] + kv0[i] > mk
+            ):
+                raise ValueError(f"policy {name!r} placed request {i} beyond a rank's capacity")
+            admit(i, f, t, DI, DF, DK, DE, D)
+        if on_progress is not None and (j + 1) % 1000 == 0:
+            on_progress(j + 1, count)
+    _advance(horizon)
+    fin = DF[K.DF_FINISH]
+    end = float(np.nanmax(fin)) if (~np.isnan(fin)).any() else 0.0
+    if horizon < math.inf:
+        end = horizon
+    return DecodeRun(
+        policy=name,
+        num_engines=e,
+        ranks_per_engine=r,
+        cost=cost,
+        handover_s=handover,
+        rank=DI[K.DI_RANK].copy(),
+        finish_s=fin.copy(),
+        output_tokens=np.asarray(out),
+        step_mean_s=float(ACC[K.DACC_MEAN]),
+        step_max_s=float(ACC[K.DACC_MAX]),
+        step_time_s=float(ACC[K.DACC_TIME]),
+        count_imbalance_s=float(ACC[K.DACC_BIMB]),
+        kv_imbalance_s=float(ACC[K.DACC_SIMB]),
+        count_floor_s=float(ACC[K.DACC_BFLOOR]),
+        num_steps=int(ACC[K.DACC_STEPS]),
+        tokens_generated=int(ACC[K.DACC_TOKENS]),
+        bin_s=bin_s,
+        bin_mean_s=BINS[0].copy(),
+        bin_max_s=BINS[1].copy(),
+        end_s=end,
+    )

@@ -1,0 +1,210 @@
+"""Decode routing policies of the simulator: the baselines and lbkit's decode balancer.
+
+The protocol of :func:`lbkit.sim.engine.simulate_decode` is an object with
+
+``route(request, kv_tokens, /, *, now_s, view) -> int``
+    The flat rank (``engine * ranks_per_engine + rank``) of a request entering decode with
+    ``kv_tokens`` KV tokens (its prompt), or ``-1`` to refuse it.
+``observe(finished, /, *, now_s, view) -> None``
+    Requests that finished decoding since the last call (an int64 array the simulator reuses).
+
+``view`` is a :class:`~lbkit.sim.engine.DecodeView`: per rank the requests admitted ``B_r`` and
+their KV tokens ``S_r`` (exact at ``now_s``), the steps each engine has run, and the capacities.
+A policy must respect the capacities (``B_r + 1 <= max_batch``, ``S_r + s <= max_kv_tokens``) and
+refuse when no rank can take the request.
+
+What each policy uses (ties: lowest flat index):
+
+==================  =================================================================
+``round_robin``     nothing but the capacities: the next feasible rank in flat order
+``random``          nothing but the capacities: a uniform feasible rank
+``least_requests``  ``view.num_requests``
+``least_kv``        ``view.kv_tokens``
+``power_of_two``    ``view.num_requests`` of two distinct uniform ranks (then KV, then index)
+``lbkit``           lbkit's decode rule (:data:`lbkit.decode.DEFAULT_POLICY`: the greedy step of
+                    minimising ``sum_r (B_r/Bhat)^2 + (S_r/Shat)^2``) on the view's ``B`` and ``S``
+==================  =================================================================
+
+This is the only module of the simulator that imports :mod:`lbkit.decode`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+
+from lbkit.core.validation import as_rng
+
+__all__ = [
+    "DECODE_POLICIES",
+    "DEFAULT_DECODE_POLICY",
+    "LbkitDecode",
+]
+
+
+def _feasible(view: Any, kv_tokens: int) -> np.ndarray | None:
+    """Mask of ranks that can take ``kv_tokens`` more (``None``: every rank can)."""
+    if view.max_batch is None and view.max_kv_tokens is None:
+        return None
+    ok = np.ones(view.num_requests.shape[0], dtype=bool)
+    if view.max_batch is not None:
+        ok &= view.num_requests + 1 <= view.max_batch
+    if view.max_kv_tokens is not None:
+        ok &= view.kv_tokens + kv_tokens <= view.max_kv_tokens
+    return ok
+
+
+def _argmin(values: np.ndarray, ok: np.ndarray | None) -> int:
+    if ok is None:
+        return int(values.argmin())
+    if not ok.any():
+        return -1
+    idx = np.flatnonzero(ok)
+    return int(idx[values[idx].argmin()])
+
+
+class _Baseline:
+    name = ""
+
+    def __init__(self, num_engines: int, ranks_per_engine: int, *, cost: Any = None,
+                 rng: Any = None):  # fmt: skip
+        self._n = num_engines * ranks_per_engine
+        self._rng = as_rng(rng)
+
+    def observe(self, finished: np.ndarray, /, *, now_s: float, view: Any) -> None:
+        """Baselines read the view only."""
+
+
+class _RoundRobin(_Baseline):
+    name = "round_robin"
+
+    def __init__(self, num_engines: int, ranks_per_engine: int, *, cost: Any = None,
+                 rng: Any = None):  # fmt: skip
+        super().__init__(num_engines, ranks_per_engine, cost=cost, rng=rng)
+        self._next = 0
+
+    def route(self, request: int, kv_tokens: int, /, *, now_s: float, view: Any) -> int:
+        ok = _feasible(view, kv_tokens)
+        f = self._next
+        if ok is not None:
+            order = np.roll(np.arange(self._n), -f)
+            hits = order[ok[order]]
+            if hits.size == 0:
+                return -1
+            f = int(hits[0])
+        self._next = (f + 1) % self._n
+        return f
+
+
+class _Random(_Baseline):
+    name = "random"
+
+    def route(self, request: int, kv_tokens: int, /, *, now_s: float, view: Any) -> int:
+        ok = _feasible(view, kv_tokens)
+        if ok is None:
+            return int(self._rng.integers(self._n))
+        idx = np.flatnonzero(ok)
+        return int(idx[self._rng.integers(idx.size)]) if idx.size else -1
+
+
+class _LeastRequests(_Baseline):
+    name = "least_requests"
+
+    def route(self, request: int, kv_tokens: int, /, *, now_s: float, view: Any) -> int:
+        return _argmin(view.num_requests, _feasible(view, kv_tokens))
+
+
+class _LeastKv(_Baseline):
+    name = "least_kv"
+
+    def route(self, request: int, kv_tokens: int, /, *, now_s: float, view: Any) -> int:
+        return _argmin(view.kv_tokens, _feasible(view, kv_tokens))
+
+
+class _PowerOfTwo(_Baseline):
+    name = "power_of_two"
+
+    def route(self, request: int, kv_tokens: int, /, *, now_s: float, view: Any) -> int:
+        ok = _feasible(view, kv_tokens)
+        idx = np.arange(self._n) if ok is None else np.flatnonzero(ok)
+        m = idx.size
+        if m <= 1:
+            return int(idx[0]) if m else -1
+        a = int(self._rng.integers(m))
+        b = int(self._rng.integers(m - 1))
+        b += b >= a
+        i, j = int(idx[min(a, b)]), int(idx[max(a, b)])
+        key_i = (int(view.num_requests[i]), int(view.kv_tokens[i]))
+        key_j = (int(view.num_requests[j]), int(view.kv_tokens[j]))
+        return j if key_j < key_i else i
+
+
+class LbkitDecode:
+    """lbkit's :class:`~lbkit.decode.DecodeBalancer` (default rule) behind the protocol.
+
+    The balancer keeps its own ledger: ``admit`` at routing, ``step`` with the decode steps each
+    engine completed since the last call (every running request grew by one token per step),
+    ``finish`` when a request leaves. It reads only the view's step counters (the clock of KV
+    growth), never the per-rank loads. A request admitted during a step is charged that step's
+    token too (at most one token of drift per request).
+    """
+
+    name = "lbkit"
+
+    def __init__(self, num_engines: int, ranks_per_engine: int, *, cost: Any = None,
+                 rng: Any = None, **options: Any):  # fmt: skip
+        from lbkit.decode import DecodeBalancer
+
+        self._r = ranks_per_engine
+        self._e = num_engines
+        self._steps = np.zeros(num_engines, dtype=np.int64)
+        self._options = options
+        self._caps_set = False
+        self.balancer = DecodeBalancer(num_engines * ranks_per_engine, rng=rng, **options)
+        self._factory = DecodeBalancer
+        self._rng = rng
+
+    def _sync(self, view: Any) -> None:
+        delta = view.steps - self._steps
+        if delta.any():
+            if self._e == 1:
+                self.balancer.step(int(delta[0]))
+            else:
+                self.balancer.step(np.repeat(delta, self._r))
+            self._steps = view.steps.copy()
+
+    def route(self, request: int, kv_tokens: int, /, *, now_s: float, view: Any) -> int:
+        if not self._caps_set:
+            self._caps_set = True
+            if view.max_batch is not None or view.max_kv_tokens is not None:
+                self.balancer = self._factory(
+                    self._e * self._r, max_batch=view.max_batch,
+                    max_kv_tokens=view.max_kv_tokens, rng=self._rng, **self._options,
+                )  # fmt: skip
+        self._sync(view)
+        return self.balancer.admit(request, kv_tokens).rank
+
+    def observe(self, finished: np.ndarray, /, *, now_s: float, view: Any) -> None:
+        self._sync(view)
+        finish = self.balancer.finish
+        for rid in finished.tolist():
+            finish(rid)
+
+
+#: Decode policies by name: ``factory(num_engines, ranks_per_engine, *, cost, rng)``.
+DECODE_POLICIES: Mapping[str, Callable[..., Any]] = MappingProxyType(
+    {
+        "round_robin": _RoundRobin,
+        "random": _Random,
+        "least_requests": _LeastRequests,
+        "least_kv": _LeastKv,
+        "power_of_two": _PowerOfTwo,
+        "lbkit": LbkitDecode,
+    }
+)
+
+#: The decode policy the simulator compares the others with.
+DEFAULT_DECODE_POLICY = "lbkit"
