@@ -318,10 +318,9 @@ def _improve_swaps(size, gpu_exp, load, max_iter):
 
     Each step takes the most loaded GPU (lowest index among equals) and the swap that minimises
     the larger of the two new loads, provided it is strictly below the current maximum; swaps
-    that would put two replicas of one expert on a GPU are taken only if they are strictly
-    better than every duplicate-free swap. A partner GPU ``h`` is skipped when
-    ``(max + load[h]) / 2``, the best a swap with it can reach, is no better than the best swap
-    found. Stops when the most loaded GPU has no improving swap.
+    that would put two replicas of one expert on a GPU are never made. A partner GPU ``h`` is
+    skipped when ``(max + load[h]) / 2``, the best a swap with it can reach, is no better than
+    the best swap found. Stops when the most loaded GPU has no improving swap.
     Returns the number of swaps made.
     """
     num_gpus, slots = gpu_exp.shape
@@ -331,7 +330,6 @@ def _improve_swaps(size, gpu_exp, load, max_iter):
         top = load[gm]
         tol = _REL_TOL * top
         best_v = top - tol
-        best_dup = True
         bi = -1
         bh = -1
         bj = -1
@@ -350,14 +348,13 @@ def _improve_swaps(size, gpu_exp, load, max_iter):
                     if d <= 0.0 or d >= gap:
                         continue
                     v = max(top - d, load[h] + d)
-                    if v < best_v + tol:
-                        dup = _holds(gpu_exp, h, ea, j) or _holds(gpu_exp, gm, eb, i)
-                        if v < best_v - tol or (best_dup and not dup):
-                            best_v = v
-                            best_dup = dup
-                            bi = i
-                            bh = h
-                            bj = j
+                    if v < best_v - tol:
+                        if _holds(gpu_exp, h, ea, j) or _holds(gpu_exp, gm, eb, i):
+                            continue
+                        best_v = v
+                        bi = i
+                        bh = h
+                        bj = j
         if bi < 0:
             break
         ea = gpu_exp[gm, bi]
@@ -372,10 +369,26 @@ def _improve_swaps(size, gpu_exp, load, max_iter):
 
 
 @jit
+def _pair_makes_duplicate(gpu_exp, g, i1, i2, h, j1, j2):
+    """Would exchanging slots ``i1, i2`` of GPU ``g`` with ``j1, j2`` of ``h`` leave two
+    replicas of one expert on either GPU?"""
+    slots = gpu_exp.shape[1]
+    for src, a1, a2, dst, b1, b2 in ((g, i1, i2, h, j1, j2), (h, j1, j2, g, i1, i2)):
+        for e in (gpu_exp[src, a1], gpu_exp[src, a2]):
+            for t in range(slots):
+                if t != b1 and t != b2 and gpu_exp[dst, t] == e:
+                    return True
+        if gpu_exp[src, a1] == gpu_exp[src, a2]:
+            return True
+    return False
+
+
+@jit
 def _improve_pair_swap(size, gpu_exp, load):
     """One exchange of two replicas of the most loaded GPU with two replicas of another GPU,
     the one that minimises the larger of the two new loads if that is below the maximum
-    (duplicate-creating exchanges are skipped). Returns ``True`` if it made one."""
+    (exchanges that leave two replicas of one expert on a GPU are skipped). Returns ``True``
+    if it made one."""
     num_gpus, slots = gpu_exp.shape
     gm = _argmax(load)
     top = load[gm]
@@ -403,7 +416,7 @@ def _improve_pair_swap(size, gpu_exp, load):
                             continue
                         v = max(top - d, load[h] + d)
                         if v < best_v:
-                            if eb1 == ea1 or eb1 == ea2 or eb2 == ea1 or eb2 == ea2:
+                            if _pair_makes_duplicate(gpu_exp, gm, i1, i2, h, j1, j2):
                                 continue
                             best_v = v
                             bh = h

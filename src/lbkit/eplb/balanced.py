@@ -68,10 +68,10 @@ def balanced_rebalance(
     --------
     >>> weight = [[90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
     ...           [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27]]
-    >>> plan = balanced_rebalance(weight, 16, 4, 2, 8)
-    >>> plan.logcnt
-    array([[1, 2, 1, 1, 1, 2, 1, 1, 1, 1, 2, 1],
-           [1, 1, 1, 1, 1, 2, 2, 1, 2, 1, 1, 1]])
+    >>> from lbkit.eplb import moe_lb
+    >>> plan = balanced_rebalance(weight, 16, 4, 2, 8, policy="global")
+    >>> moe_lb(weight, plan.phy2log, num_gpus=8)
+    array([1.0532..., 1.1903...])
     """
     problem = _rebalance_iv(weight, num_replicas, num_groups, num_nodes, num_gpus, policy)
     w = problem.weight

@@ -96,10 +96,10 @@ def lower_bound(
 
     Examples
     --------
-    One hot expert: its 4 replicas of 25 each sit with a replica of 2 on every GPU.
+    One hot expert and 6 slots on 3 GPUs: a replica of 50 shares its GPU with one of at least 1.
 
-    >>> lower_bound([[100.0, 2.0, 2.0, 2.0, 2.0]], 8, 1, 1, 4)
-    array([1.2037...])
+    >>> lower_bound([[100.0, 1.0, 1.0, 1.0, 1.0]], 6, 1, 1, 3)
+    array([1.4711...])
     """
     problem = _rebalance_iv(weight, num_replicas, num_groups, num_nodes, num_gpus, policy)
     w = problem.weight

@@ -1,0 +1,230 @@
+"""rebalance_experts: DeepSeek's README example, the greedy method against a plain-Python oracle,
+validity of every plan, the default never worse than greedy and never better than the bound,
+metamorphic properties, duplicates, the hierarchical node partition, torch in and out."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lbkit.eplb import (
+    DEFAULT_METHOD,
+    METHODS,
+    check_placement,
+    lower_bound,
+    moe_lb,
+    rebalance_experts,
+)
+
+from .oracle import greedy_oracle, max_gpu_load
+from .strategies import instances
+
+README_WEIGHT = [
+    [90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
+    [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27],
+]
+README_PHY2LOG = [
+    [5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1],
+    [7, 10, 6, 8, 6, 11, 8, 9, 2, 4, 5, 1, 5, 0, 3, 1],
+]
+
+
+def _check(plan, weight, num_groups, num_nodes, num_gpus, policy):
+    check_placement(
+        *plan,
+        num_experts=np.shape(weight)[1],
+        num_gpus=num_gpus,
+        num_groups=num_groups,
+        num_nodes=num_nodes,
+        policy=policy,
+    )
+
+
+def test_greedy_reproduces_deepseek_readme_example():
+    plan = rebalance_experts(README_WEIGHT, 16, 4, 2, 8, method="greedy")
+    assert plan.phy2log.tolist() == README_PHY2LOG
+    assert plan.logcnt.sum(axis=1).tolist() == [16, 16]
+    _check(plan, README_WEIGHT, 4, 2, 8, "hierarchical")
+    phy2log, log2phy, logcnt = plan  # unpacks like DeepSeek's tuple
+    assert phy2log.dtype == log2phy.dtype == logcnt.dtype == np.int64
+
+
+def test_methods_mapping_and_default():
+    assert set(METHODS) == {"greedy", "default"}
+    assert DEFAULT_METHOD == "default"
+
+
+@given(instances(tie_free=False))
+def test_greedy_equals_plain_python_oracle_in_float32(inst):
+    weight, r, k, n, g, policy = inst
+    plan = rebalance_experts(weight, r, k, n, g, method="greedy", policy=policy)
+    p2l, rank, cnt = greedy_oracle(
+        weight, r, k, n, g, hierarchical=policy == "hierarchical", dtype=np.float32
+    )
+    assert np.array_equal(plan.phy2log, p2l)
+    assert np.array_equal(plan.logcnt, cnt)
+    expect = np.full(plan.log2phy.shape, -1)
+    for layer, slot in itertools.product(range(len(p2l)), range(r)):
+        expect[layer, p2l[layer, slot], rank[layer, slot]] = slot
+    assert np.array_equal(plan.log2phy, expect)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize(
+    "shape", [(2, 256, 288, 8, 4, 32), (2, 256, 320, 8, 8, 64), (2, 64, 80, 8, 2, 16)]
+)
+def test_greedy_equals_oracle_at_deepseek_sizes(seed, shape):
+    layers, experts, r, k, n, g = shape
+    weight = np.random.default_rng(seed).lognormal(0, 1.0, (layers, experts)) * 1000
+    for policy in ("global", "hierarchical"):
+        plan = rebalance_experts(weight, r, k, n, g, method="greedy", policy=policy)
+        p2l, _, cnt = greedy_oracle(
+            weight, r, k, n, g, hierarchical=policy == "hierarchical", dtype=np.float32
+        )
+        assert np.array_equal(plan.phy2log, p2l) and np.array_equal(plan.logcnt, cnt)
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+@given(inst=instances())
+def test_every_plan_is_valid(method, inst):
+    weight, r, k, n, g, policy = inst
+    plan = rebalance_experts(weight, r, k, n, g, method=method, policy=policy)
+    _check(plan, weight, k, n, g, policy)
+    assert plan.phy2log.shape == (len(weight), r)
+    assert plan.log2phy.shape[2] == plan.logcnt.max()
+
+
+@given(inst=instances())
+def test_default_is_never_worse_than_greedy_and_never_beats_the_bound(inst):
+    weight, r, k, n, g, policy = inst
+    ours = rebalance_experts(weight, r, k, n, g, policy=policy)
+    greedy = rebalance_experts(weight, r, k, n, g, method="greedy", policy=policy)
+    lb = lower_bound(weight, r, k, n, g, policy=policy)
+    ours_lb = moe_lb(weight, ours.phy2log, num_gpus=g)
+    greedy_lb = moe_lb(weight, greedy.phy2log, num_gpus=g)
+    assert (ours_lb <= greedy_lb * (1 + 1e-9)).all()
+    assert (ours_lb >= lb * (1 - 1e-9)).all()
+    assert (greedy_lb >= lb * (1 - 1e-9)).all()
+    assert (lb >= 1.0).all()
+
+
+@given(inst=instances(tie_free=True), scale=st.sampled_from([1e-3, 0.5, 7.0, 1e4]))
+def test_scaling_loads_changes_nothing(inst, scale):
+    weight, r, k, n, g, policy = inst
+    base = moe_lb(weight, rebalance_experts(weight, r, k, n, g, policy=policy).phy2log, num_gpus=g)
+    scaled = weight * scale
+    again = rebalance_experts(scaled, r, k, n, g, policy=policy)
+    assert np.allclose(moe_lb(scaled, again.phy2log, num_gpus=g), base, rtol=1e-6)
+    assert np.allclose(
+        lower_bound(scaled, r, k, n, g, policy=policy),
+        lower_bound(weight, r, k, n, g, policy=policy),
+        rtol=1e-6,
+    )
+
+
+@given(inst=instances(tie_free=True, policy="global"), seed=st.integers(0, 1000))
+def test_permuting_experts_and_layers_keeps_the_balance(inst, seed):
+    weight, r, k, n, g, policy = inst
+    rng = np.random.default_rng(seed)
+    perm = np.stack([rng.permutation(weight.shape[1]) for _ in weight])
+    shuffled = np.take_along_axis(weight, perm, axis=1)[rng.permutation(len(weight))]
+    a = moe_lb(weight, rebalance_experts(weight, r, k, n, g, policy=policy).phy2log, num_gpus=g)
+    plan = rebalance_experts(shuffled, r, k, n, g, policy=policy)
+    b = moe_lb(shuffled, plan.phy2log, num_gpus=g)
+    assert np.allclose(np.sort(a), np.sort(b), rtol=1e-6)
+
+
+def test_idle_layers_get_a_valid_plan_without_duplicates():
+    weight = np.zeros((2, 16))
+    weight[1, 3] = 5.0
+    for method in METHODS:
+        plan = rebalance_experts(weight, 32, 4, 2, 8, method=method, policy="global")
+        _check(plan, weight, 4, 2, 8, "global")
+        assert moe_lb(weight, plan.phy2log, num_gpus=8)[0] == 1.0
+    plan = rebalance_experts(weight, 32, 4, 2, 8, policy="global")
+    per_gpu = plan.phy2log[0].reshape(8, 4)
+    assert all(len(set(row)) == 4 for row in per_gpu)  # idle: spread, no duplicates
+
+
+def _duplicates(phy2log, num_gpus):
+    rows = np.asarray(phy2log).reshape(len(phy2log), num_gpus, -1)
+    return sum(len(r) - len(set(r.tolist())) for layer in rows for r in layer)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_far_fewer_duplicates_than_greedy(seed):
+    """Replica counts stay below the GPU count, so duplicates are avoidable: lbkit's local
+    search never creates one and its packing avoids them where a GPU without the expert has
+    room, so it places (almost) none, far fewer than greedy's packing."""
+    rng = np.random.default_rng(seed)
+    weight = rng.lognormal(0, 1.0, (4, 64)) * 100
+    plan = rebalance_experts(weight, 320, 8, 1, 64, policy="global")
+    greedy = rebalance_experts(weight, 320, 8, 1, 64, method="greedy", policy="global")
+    keep = plan.logcnt.max(axis=1) <= 64  # layers where every expert fits on distinct GPUs
+    assert keep.any()
+    assert _duplicates(plan.phy2log[keep], 64) <= 2 < _duplicates(greedy.phy2log[keep], 64)
+
+
+@pytest.mark.xfail(
+    reason="known gap: the duplicate repair only tries single swaps that keep the maximum, so "
+    "a duplicate-free plan of equal balance that needs a different packing can be missed",
+    strict=False,
+)
+def test_duplicates_only_where_no_duplicate_free_plan_is_as_good():
+    """Small instances: wherever lbkit places two replicas of one expert on a GPU, CP-SAT
+    proves that no duplicate-free plan reaches the same largest load."""
+    pytest.importorskip("ortools")
+    from lbkit.eplb._reference import optimal_max_load
+
+    rng = np.random.default_rng(1)
+    checked = 0
+    for _ in range(40):
+        experts, gpus, slots = 6, 3, int(rng.integers(2, 4))
+        w = rng.lognormal(0, 1.5, experts) * 100
+        plan = rebalance_experts(w[None], gpus * slots, 1, 1, gpus, policy="global")
+        if _duplicates(plan.phy2log, gpus) == 0:
+            continue
+        ours = max_gpu_load(w[None], plan.phy2log, plan.logcnt, gpus)[0]
+        value, proven = optimal_max_load(
+            w, num_gpus=gpus, slots=slots, forbid_duplicates=True, max_load=ours, time_limit_s=5
+        )
+        if proven:
+            checked += 1
+            assert value == float("inf"), f"a duplicate-free plan reaches {ours} for {w}"
+    assert checked >= 1
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_hierarchical_default_uses_the_best_group_partition(seed):
+    """The node loads of the default plan are those of an optimal group-to-node partition."""
+    rng = np.random.default_rng(seed)
+    weight = rng.lognormal(0, 1.0, (1, 64)) * 100
+    num_groups, num_nodes, num_gpus = 8, 4, 16
+    plan = rebalance_experts(weight, 96, num_groups, num_nodes, num_gpus, policy="hierarchical")
+    node_load = np.bincount(
+        np.arange(96) // 24,
+        weights=(weight[0] / plan.logcnt[0])[plan.phy2log[0]],
+        minlength=num_nodes,
+    )
+    group_load = weight[0].reshape(num_groups, -1).sum(axis=1)
+    best = min(
+        max(group_load[list(p[i : i + 2])].sum() for i in range(0, 8, 2))
+        for p in itertools.permutations(range(8))
+        if all(p[i] < p[i + 1] for i in range(0, 8, 2))
+    )
+    assert node_load.max() == pytest.approx(best, rel=1e-9)
+
+
+def test_torch_in_torch_out():
+    torch = pytest.importorskip("torch")
+    weight = torch.tensor(README_WEIGHT, dtype=torch.float32)
+    for method in METHODS:
+        plan = rebalance_experts(weight, 16, 4, 2, 8, method=method)
+        assert all(isinstance(a, torch.Tensor) and a.dtype == torch.int64 for a in plan)
+        numpy_plan = rebalance_experts(np.array(README_WEIGHT), 16, 4, 2, 8, method=method)
+        for a, b in zip(plan, numpy_plan, strict=True):
+            assert np.array_equal(a.numpy(), b)
