@@ -459,6 +459,7 @@ def warmup() -> None:
 
     trace = Trace(arrival_s=[0.0, 0.5, 1.0], total_tokens=[100, 2000, 300], output_tokens=[3, 1, 5])
     unit = PRESETS["unit"]
-    run = simulate_prefill(trace, "round_robin", num_engines=2, ranks_per_engine=2,
+    # The lbkit policies too: their balancers' kernels compile on first use.
+    run = simulate_prefill(trace, "lbkit", num_engines=2, ranks_per_engine=2,
                            cost=unit.prefill, budget_s=500.0)  # fmt: skip
-    simulate_decode(run, "round_robin", num_engines=1, ranks_per_engine=2, cost=unit.decode)
+    simulate_decode(run, "lbkit", num_engines=1, ranks_per_engine=2, cost=unit.decode)

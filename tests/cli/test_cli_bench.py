@@ -1,0 +1,91 @@
+"""``lbkit bench`` end to end: tables, JSON, determinism, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lbkit.cli import main
+
+FAST = ["--max-requests", "300", "--prefill-engines", "2", "--ranks-per-engine", "2",
+        "--decode-ranks", "4", "--no-eplb"]  # fmt: skip
+
+
+def test_tables_and_json(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert main(["bench", *FAST, "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "Prefill" in text and "Decode" in text and "lbkit" in text and "*" in text
+    report = json.loads(out.read_text())
+    assert set(report["prefill"]) >= {"round_robin", "lbkit", "lbkit_nobuckets", "least_tokens"}
+    assert set(report["decode"]) >= {"round_robin", "least_kv", "lbkit"}
+
+
+def test_json_is_deterministic_apart_from_timing(tmp_path):
+    paths = [tmp_path / "a.json", tmp_path / "b.json"]
+    for p in paths:
+        assert main(["bench", *FAST, "--policies", "random,lbkit", "--json", str(p)]) == 0
+    a, b = (json.loads(p.read_text()) for p in paths)
+    a.pop("timing")
+    b.pop("timing")
+    assert a == b
+
+
+def test_trace_file(tmp_path, capsys):
+    p = tmp_path / "t.csv"
+    rows = [
+        f"2023-11-16 18:00:{i // 10:02d}.{i % 10}000000,{500 + 37 * i},{20 + i}" for i in range(60)
+    ]
+    p.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "\n".join(rows) + "\n")
+    assert main(["bench", "--trace", str(p), *FAST[2:], "--policies", "lbkit,round_robin"]) == 0
+    assert "t.csv" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--trace", "/no/such/file.jsonl"], "trace file not found"),
+        (["--utilization", "0"], "--utilization: must be a finite number > 0"),
+        (["--utilization", "-0.5"], "--utilization"),
+        (["--prefill-engines", "0"], "--prefill-engines: must be >= 1"),
+        (["--ranks-per-engine", "-1"], "--ranks-per-engine: must be >= 1"),
+        (["--decode-ranks", "0"], "--decode-ranks: must be >= 1"),
+        (["--policies", "fastest"], "unknown policy 'fastest'"),
+    ],
+)
+def test_bad_input_one_line(args, needle, capsys):
+    assert main(["bench", *args]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_unknown_format_is_refused_by_the_parser(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--format", "parquet"])
+    assert exc.value.code == 2
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_subprocess_bad_trace_has_no_traceback(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": -3, "output_length": 2}\n')
+    proc = subprocess.run([sys.executable, "-m", "lbkit", "bench", "--trace", str(bad)],
+                          capture_output=True, text=True, cwd=Path(__file__).parents[2])  # fmt: skip
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert "input_length: must be a positive integer" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_help_explains_every_option(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    text = capsys.readouterr().out
+    for opt in ("--trace", "--format", "--utilization", "--seed", "--prefill-engines",
+                "--ranks-per-engine", "--decode-ranks", "--policies", "--max-requests", "--json",
+                "--plot"):  # fmt: skip
+        assert opt in text
