@@ -73,8 +73,12 @@ def test_unknown_format_is_refused_by_the_parser(capsys):
 def test_subprocess_bad_trace_has_no_traceback(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"timestamp": 0, "input_length": -3, "output_length": 2}\n')
-    proc = subprocess.run([sys.executable, "-m", "lbkit", "bench", "--trace", str(bad)],
-                          capture_output=True, text=True, cwd=Path(__file__).parents[2])  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "lbkit", "bench", "--trace", str(bad)],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parents[2],
+    )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert "input_length: must be a positive integer" in proc.stderr

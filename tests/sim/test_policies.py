@@ -32,7 +32,7 @@ def prefill_runs(skewed):
     return {
         name: simulate_prefill(
             skewed, name, num_engines=8, ranks_per_engine=2, cost=H800.prefill, rng=1
-        )  # fmt: skip
+        )
         for name in PREFILL_POLICIES
     }
 
