@@ -9,6 +9,7 @@ traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -45,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``lbkit`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
+    # One process, run again and again: cache compiled kernels on disk (see lbkit.core._jit).
+    os.environ.setdefault("LBKIT_JIT_CACHE", "1")
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -2,13 +2,19 @@
 
 Kernels are plain loops over numpy arrays. They are compiled with ``numba.njit(nogil=True)``,
 never with ``fastmath`` or ``parallel`` (router paths must be deterministic and must not start
-thread pools). With ``NUMBA_DISABLE_JIT=1`` numba returns the Python function itself, which is how
-the test suite checks JIT parity and measures coverage. If numba cannot be imported at all, the
+thread pools). Compiled code is cached on disk only on request: set ``LBKIT_JIT_CACHE=1`` before
+lbkit's subpackages are imported (the ``lbkit`` command-line tool does, since it runs as one
+process; a library stays off by default because numba's on-disk cache and multiprocessing do not
+always mix, numba issue 4807).
+
+With ``NUMBA_DISABLE_JIT=1`` numba returns the Python function itself, which is how the test
+suite checks JIT parity and measures coverage. If numba cannot be imported at all, the
 decorator degrades to the identity so that the pure-Python kernels still run (slowly).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -25,7 +31,7 @@ HAVE_NUMBA = _numba is not None
 
 
 def jit(func: F) -> F:
-    """Compile ``func`` with numba in lbkit's standard mode (``nogil``, no fastmath, no cache).
+    """Compile ``func`` with numba in lbkit's standard mode (``nogil``, no fastmath).
 
     The compiled function keeps the original in ``.py_func`` (numba's convention; the fallback
     sets it too), so tests can compare the jitted kernel with the plain Python one.
@@ -47,4 +53,5 @@ def jit(func: F) -> F:
     if _numba is None:  # pragma: no cover
         func.py_func = func  # type: ignore[attr-defined]
         return func
-    return _numba.njit(nogil=True, cache=False, fastmath=False)(func)
+    cache = os.environ.get("LBKIT_JIT_CACHE", "") == "1"
+    return _numba.njit(nogil=True, cache=cache, fastmath=False)(func)

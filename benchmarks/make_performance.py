@@ -1,0 +1,187 @@
+"""Regenerate ``docs/performance.md`` from a benchmark run.
+
+Usage::
+
+    python benchmarks/make_performance.py                 # run everything, then render
+    python benchmarks/make_performance.py --render-only   # render from benchmarks/results/*.json
+    LBKIT_DEEPSEEK_EPLB=/path/to/eplb.py python benchmarks/make_performance.py
+
+Steps:
+
+1. ``pytest benchmarks --benchmark-enable --benchmark-json=benchmarks/results/bench.json``:
+   microbenchmarks of decision and plan latency. Comparative figures are ratios of benchmarks
+   timed side by side in this one run (a routing call against a bare ``numpy.argmin`` over the
+   same array; a plan against DeepSeek's reference implementation when ``LBKIT_DEEPSEEK_EPLB``
+   names a copy of its ``eplb.py`` and torch is installed).
+2. ``python benchmarks/eplb_targets.py --json benchmarks/results/eplb_targets.json``: balance of
+   every EPLB method against the lower bound and exact optima.
+3. Render the page: method first, then tables. The page is never edited by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+PAGE = ROOT / "docs" / "performance.md"
+BENCH_JSON = RESULTS / "bench.json"
+EPLB_JSON = RESULTS / "eplb_targets.json"
+
+__all__ = ["main", "render"]
+
+
+def run_benchmarks() -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "benchmarks",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--benchmark-enable",
+        f"--benchmark-json={BENCH_JSON}",
+        "--benchmark-min-rounds=20",
+        "-o",
+        "addopts=--benchmark-group-by=group --import-mode=importlib",
+    ]
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run(cmd, cwd=ROOT, check=True)
+    targets = ROOT / "benchmarks" / "eplb_targets.py"
+    if targets.exists():
+        cmd = [sys.executable, str(targets), "--json", str(EPLB_JSON)]
+        print("+", " ".join(cmd), flush=True)
+        subprocess.run(cmd, cwd=ROOT, check=True)
+
+
+def _fmt_time(seconds: float) -> str:
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.2f} µs"
+    if seconds < 1.0:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds:.2f} s"
+
+
+def _is_baseline(bench: dict[str, Any]) -> bool:
+    info = bench.get("extra_info") or {}
+    if "baseline" in info:
+        return bool(info["baseline"])
+    name = bench["name"].lower()
+    return "argmin" in name or "reference" in name or "deepseek" in name
+
+
+def _bench_tables(data: dict[str, Any]) -> list[str]:
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for bench in data.get("benchmarks", []):
+        groups.setdefault(bench.get("group") or bench["name"], []).append(bench)
+    lines: list[str] = []
+    for group in sorted(groups):
+        rows = sorted(groups[group], key=lambda b: b["stats"]["median"])
+        base = next((b for b in rows if _is_baseline(b)), None)
+        lines += [f"### `{group}`", ""]
+        lines.append("| benchmark | median | min | IQR | rounds | vs baseline |")
+        lines.append("|---|---:|---:|---:|---:|---:|")
+        for b in rows:
+            s = b["stats"]
+            if base is None:
+                ratio = ""
+            elif b is base:
+                ratio = "baseline"
+            else:
+                ratio = f"{s['median'] / base['stats']['median']:.2f}x"
+            lines.append(
+                f"| `{b['name']}` | {_fmt_time(s['median'])} | {_fmt_time(s['min'])} | "
+                f"{_fmt_time(s['iqr'])} | {s['rounds']} | {ratio} |"
+            )
+        extras = [b for b in rows if b.get("extra_info")]
+        shown = {k for b in extras for k in b["extra_info"] if k != "baseline"}
+        if shown:
+            keys = sorted(shown)
+            lines += ["", "| benchmark | " + " | ".join(keys) + " |"]
+            lines.append("|---|" + "---:|" * len(keys))
+            for b in extras:
+                vals = [b["extra_info"].get(k, "") for k in keys]
+                cells = [f"{v:.4g}" if isinstance(v, float) else str(v) for v in vals]
+                lines.append(f"| `{b['name']}` | " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
+
+
+def _eplb_tables(data: dict[str, Any]) -> list[str]:
+    """Render the tables that ``benchmarks/eplb_targets.py --json`` wrote."""
+    lines: list[str] = []
+    for table in data.get("tables", []):
+        lines += [f"### {table['title']}", ""]
+        if table.get("note"):
+            lines += [table["note"], ""]
+        cols = table["columns"]
+        lines.append("| " + " | ".join(cols) + " |")
+        lines.append("|" + "|".join("---" if i == 0 else "---:" for i in range(len(cols))) + "|")
+        for row in table["rows"]:
+            cells = [f"{v:.4f}" if isinstance(v, float) else str(v) for v in row]
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
+
+
+def render() -> str:
+    bench = json.loads(BENCH_JSON.read_text()) if BENCH_JSON.exists() else {}
+    eplb = json.loads(EPLB_JSON.read_text()) if EPLB_JSON.exists() else {}
+    machine = bench.get("machine_info", {})
+    when = bench.get("datetime", _dt.datetime.now(_dt.UTC).isoformat())
+    lines = [
+        "# Performance",
+        "",
+        "<!-- Generated by benchmarks/make_performance.py; do not edit by hand. -->",
+        "",
+        "## Method",
+        "",
+        "- **Decision and plan latency** are pytest-benchmark microbenchmarks "
+        "(`benchmarks/bench_*.py`), run by `python benchmarks/make_performance.py`. Each "
+        "comparison is a ratio of two benchmarks timed side by side in the same run on the "
+        "same inputs (a routing call against a bare `numpy.argmin` over the same per-rank "
+        "array; an EPLB plan against DeepSeek's reference `rebalance_experts` when "
+        "`LBKIT_DEEPSEEK_EPLB` names a copy of its `eplb.py`). numba kernels are compiled "
+        "before timing. Medians are reported; the machine is shared, so read ratios, not "
+        "absolute times.",
+        "- **Balance** figures come from `python benchmarks/eplb_targets.py`: seeded synthetic "
+        "loads (lognormal and Zipf) and the public DeepSeek-V3 expert-load dumps, reported as "
+        "mean `moe_lb` over layers and as the gap to the lower bound.",
+        "- `moe_lb` = max GPU load / mean GPU load of a layer; balance efficiency = "
+        "`sum_t mean_r L[r,t] / sum_t max_r L[r,t]` (see `docs/metrics.md`).",
+        "",
+        f"Run: {when}; Python {machine.get('python_version', platform.python_version())}, "
+        f"{machine.get('cpu', {}).get('brand_raw', platform.processor() or 'unknown CPU')}, "
+        f"{os.cpu_count()} cores.",
+        "",
+    ]
+    if eplb:
+        lines += ["## EPLB balance", "", *_eplb_tables(eplb)]
+    if bench:
+        lines += ["## Latency", "", *_bench_tables(bench)]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--render-only", action="store_true", help="skip running benchmarks")
+    args = parser.parse_args(argv)
+    if not args.render_only:
+        run_benchmarks()
+    PAGE.write_text(render())
+    print(f"wrote {PAGE.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
