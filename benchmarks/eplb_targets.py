@@ -1,0 +1,239 @@
+"""Measure lbkit.eplb against its targets and print tables (``--json PATH`` for machine output).
+
+1. Global policy, DeepSeek-V3 sizes (58 layers x 256 experts): mean moe_lb gap to the lower
+   bound per load family (lognormal sigma 0.5/1.0/1.5, Zipf 0.6/1.0, SGLang DeepSeek-V3 traces),
+   greedy and default, at 288/320 slots on 32 GPUs, 320/384 on 64, and 288 on 144 (2 slots).
+2. Small instances solved exactly (2 slots: all count vectors with the optimal pairing; 5 slots:
+   CP-SAT): gap of greedy and default to the optimum.
+3. Hierarchical policy: node-level imbalance (largest node load / mean) of greedy and default
+   beside the best the group constraint allows (optimal group partition), and moe_lb vs bound.
+4. Plan time (median of 5 after warm-up) at 58 x 256 on 64 GPUs, with DeepSeek's code when
+   ``LBKIT_DEEPSEEK_EPLB`` is set and torch is importable.
+
+Run: ``python benchmarks/eplb_targets.py [--quick] [--json out.json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import itertools
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+import lbkit
+from lbkit.eplb import lower_bound, moe_lb, rebalance_experts
+
+TRACES = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces"
+TRACE_DIR = TRACES / "moe_expert_load_deepseek_v3"
+
+
+def families(rng, quick):
+    out = {}
+    for s in (0.5, 1.0, 1.5):
+        out[f"lognormal-{s}"] = rng.lognormal(0, s, (58, 256)) * 1000
+    for a in (0.6, 1.0):
+        p = np.arange(1, 257) ** -a
+        p /= p.sum()
+        out[f"zipf-{a}"] = np.stack(
+            [rng.multinomial(1_600_000, rng.permutation(p)) for _ in range(58)]
+        ).astype(float)
+    files = sorted(TRACE_DIR.glob("*.json")) if TRACE_DIR.is_dir() else []
+    for f in files[:2] if quick else files:
+        out[f"trace-{f.stem}"] = np.array(json.loads(f.read_text())["logical_count"])[3:]
+    return out
+
+
+def plan_gap(w, r, k, n, g, policy, method):
+    plan = rebalance_experts(w, r, k, n, g, method=method, policy=policy)
+    return moe_lb(w, plan.phy2log, num_gpus=g), plan
+
+
+def section_global(rng, quick, report):
+    print("\n== global policy, 58 x 256: mean moe_lb gap to the lower bound (worst layer) ==")
+    shapes = [(288, 32), (320, 32), (320, 64), (384, 64), (288, 144)]
+    fam = families(rng, quick)
+    rows = []
+    for (r, g), (name, w) in itertools.product(shapes, fam.items()):
+        lb = lower_bound(w, r, 8, 1, g, policy="global")
+        row = {"slots": r, "gpus": g, "loads": name, "lower_bound_mean": float(lb.mean())}
+        for method in ("greedy", "default"):
+            v, _ = plan_gap(w, r, 8, 1, g, "global", method)
+            row[f"{method}_gap_pct"] = 100 * (v.mean() / lb.mean() - 1)
+            row[f"{method}_worst_pct"] = 100 * float((v / lb - 1).max())
+        rows.append(row)
+        print(
+            f"{r:4d} slots {g:4d} GPUs {name:32s} bound {lb.mean():.4f}  greedy "
+            f"+{row['greedy_gap_pct']:.3f}% (+{row['greedy_worst_pct']:.2f}%)  default "
+            f"+{row['default_gap_pct']:.3f}% (+{row['default_worst_pct']:.2f}%)",
+            flush=True,
+        )
+    report["global"] = rows
+
+
+def section_small(rng, quick, report):
+    from lbkit.eplb._reference import optimal_moe_lb
+
+    print("\n== small instances solved exactly: gap to the optimum ==")
+    cases = [(12, 8, 2), (16, 10, 2), (20, 12, 2), (24, 14, 2), (12, 3, 5), (16, 4, 5)]
+    reps = 2 if quick else 6
+    rows = []
+    for e, g, s in cases:
+        gaps = {"greedy": [], "default": []}
+        proven_all = True
+        for _ in range(reps):
+            w = rng.lognormal(0, rng.choice([0.5, 1.0, 1.5]), (1, e)) * 100
+            opt, proven = optimal_moe_lb(w, g * s, 1, 1, g, policy="global", time_limit_s=10)
+            proven_all &= proven
+            for m in gaps:
+                v, _ = plan_gap(w, g * s, 1, 1, g, "global", m)
+                gaps[m].append(100 * (v[0] / opt[0] - 1))
+        row = {"experts": e, "gpus": g, "slots": s, "proven": proven_all}
+        for m, x in gaps.items():
+            row[f"{m}_mean_pct"], row[f"{m}_max_pct"] = float(np.mean(x)), float(np.max(x))
+        rows.append(row)
+        print(
+            f"E={e:2d} G={g:2d} S={s}  greedy +{row['greedy_mean_pct']:.2f}% (max "
+            f"+{row['greedy_max_pct']:.2f}%)  default +{row['default_mean_pct']:.2f}% (max "
+            f"+{row['default_max_pct']:.2f}%)  {'proven' if proven_all else 'CP-SAT time limit'}",
+            flush=True,
+        )
+    report["small_exact"] = rows
+
+
+def node_imbalance(w, plan, g, n):
+    per = (w / plan.logcnt)[np.arange(len(w))[:, None], plan.phy2log]
+    node = per.reshape(len(w), n, -1).sum(axis=2)
+    return node.max(axis=1) / node.mean(axis=1)
+
+
+def best_partition(w, k, n):
+    group = w.reshape(len(w), k, -1).sum(axis=2)
+    per = k // n
+    best = np.full(len(w), np.inf)
+    for perm in itertools.permutations(range(k)):
+        if any(perm[i] > perm[i + 1] for i in range(0, k, per) for _ in [0] if per > 1) or any(
+            perm[i] > perm[i + per] for i in range(0, k - per, per)
+        ):
+            continue
+        loads = group[:, list(perm)].reshape(len(w), n, per).sum(axis=2)
+        best = np.minimum(best, loads.max(axis=1))
+    return best / group.mean(axis=1) / per
+
+
+def section_hier(rng, quick, report):
+    print("\n== hierarchical policy (8 groups): node imbalance and moe_lb ==")
+    rows = []
+    fam = families(rng, quick)
+    for (r, g, n), (name, w) in itertools.product([(320, 32, 4), (320, 64, 8)], fam.items()):
+        w = w[w.sum(axis=1) > 0]
+        bound_node = (
+            best_partition(w, 8, n)
+            if n == 4
+            else node_imbalance(w, rebalance_experts(w, r, 8, n, g, method="greedy"), g, n)
+        )
+        lb = lower_bound(w, r, 8, n, g, policy="hierarchical")
+        row = {
+            "slots": r,
+            "gpus": g,
+            "nodes": n,
+            "loads": name,
+            "node_bound_mean": float(bound_node.mean()),
+            "lower_bound_mean": float(lb.mean()),
+        }
+        for m in ("greedy", "default"):
+            v, plan = plan_gap(w, r, 8, n, g, "hierarchical", m)
+            ni = node_imbalance(w, plan, g, n)
+            row[f"{m}_node_mean"], row[f"{m}_node_worst"] = float(ni.mean()), float(ni.max())
+            row[f"{m}_moe_lb_mean"] = float(v.mean())
+        rows.append(row)
+        print(
+            f"{g} GPUs/{n} nodes {name:32s} node: greedy {row['greedy_node_mean']:.3f} (worst "
+            f"{row['greedy_node_worst']:.3f}) default {row['default_node_mean']:.3f} (worst "
+            f"{row['default_node_worst']:.3f}) best {row['node_bound_mean']:.3f} | moe_lb greedy "
+            f"{row['greedy_moe_lb_mean']:.4f} default {row['default_moe_lb_mean']:.4f} bound "
+            f"{row['lower_bound_mean']:.4f}",
+            flush=True,
+        )
+    report["hierarchical"] = rows
+
+
+def section_time(rng, report):
+    print("\n== plan time, 58 x 256, median of 5 (shared machine: noisy) ==")
+    w = rng.lognormal(0, 1.0, (58, 256)) * 1000
+    ds = None
+    path = os.environ.get("LBKIT_DEEPSEEK_EPLB")
+    if path:
+        try:
+            import torch
+
+            torch.set_num_threads(1)
+            spec = importlib.util.spec_from_file_location("deepseek_eplb", path)
+            ds = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(ds)
+        except ImportError:
+            ds = None
+    rows = []
+    for r, g, n, policy in [
+        (320, 64, 8, "global"),
+        (320, 64, 8, "hierarchical"),
+        (384, 64, 8, "global"),
+        (288, 32, 4, "global"),
+    ]:
+        row = {"slots": r, "gpus": g, "policy": policy}
+        for m in ("greedy", "default"):
+            rebalance_experts(w, r, 8, n, g, method=m, policy=policy)
+            ts = []
+            for _ in range(5):
+                t = time.perf_counter()
+                rebalance_experts(w, r, 8, n, g, method=m, policy=policy)
+                ts.append(time.perf_counter() - t)
+            row[f"{m}_ms"] = 1e3 * float(np.median(ts))
+        if ds is not None:
+            groups, nodes = (8, n) if policy == "hierarchical" else (1, 1)
+            ts = []
+            for _ in range(3):
+                t = time.perf_counter()
+                ds.rebalance_experts_hierarchical(torch.tensor(w).float(), r, groups, nodes, g)
+                ts.append(time.perf_counter() - t)
+            row["deepseek_ms"] = 1e3 * float(np.median(ts))
+            row["speedup_default"] = row["deepseek_ms"] / row["default_ms"]
+        rows.append(row)
+        extra = (
+            f"  deepseek {row['deepseek_ms']:.0f} ms  default is "
+            f"{row['speedup_default']:.0f}x faster"
+            if "deepseek_ms" in row
+            else ""
+        )
+        print(
+            f"{r} slots {g} GPUs {policy:12s} greedy {row['greedy_ms']:.1f} ms  default "
+            f"{row['default_ms']:.1f} ms{extra}",
+            flush=True,
+        )
+    report["plan_time"] = rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--quick", action="store_true", help="fewer traces and repetitions")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    lbkit.warmup(packages=("eplb",))
+    rng = np.random.default_rng(args.seed)
+    report: dict = {"seed": args.seed}
+    section_time(rng, report)
+    section_global(rng, args.quick, report)
+    section_small(rng, args.quick, report)
+    section_hier(rng, args.quick, report)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
