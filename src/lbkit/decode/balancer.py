@@ -75,6 +75,7 @@ _STATE_NAMES = ("active", "draining", "out")
 _STATE_VERSION = 1
 _RANK, _KV, _GEN, _EXPECT, _ORDER = range(5)
 _REFUSED = tuple(Decision(-1, reason) for reason in REASONS)
+_MAX_TOKENS = 2**52  # per request: sums stay exact in the float64 state matrix
 
 
 class RemovedRequests(NamedTuple):
@@ -381,12 +382,12 @@ class DecodeBalancer:
 
         Runtime complexity: O(ranks), one numba call.
         """
-        if type(kv_tokens) is not int or kv_tokens < 0:
-            kv_tokens = check_int(kv_tokens, "kv_tokens", min_value=0)
-        if request_id in self._ids:
-            raise ValueError(f"request_id: {request_id!r} is already running")
+        if type(kv_tokens) is not int or not 0 <= kv_tokens <= _MAX_TOKENS:
+            kv_tokens = check_int(kv_tokens, "kv_tokens", min_value=0, max_value=_MAX_TOKENS)
         if type(request_id) is not str and type(request_id) is not int:
             _request_id(request_id)
+        if request_id in self._ids:
+            raise ValueError(f"request_id: {request_id!r} is already running")
         if expected_output_tokens is None:
             expect = -1
         else:
@@ -463,7 +464,10 @@ class DecodeBalancer:
                     f"{type(request_tokens).__name__}"
                 )
             todo = [
-                (self._slot_of(rid), check_int(t, f"request_tokens[{rid!r}]", min_value=0))
+                (
+                    self._slot_of(rid),
+                    check_int(t, f"request_tokens[{rid!r}]", min_value=0, max_value=_MAX_TOKENS),
+                )
                 for rid, t in request_tokens.items()
             ]
             s = self._slots
@@ -548,7 +552,7 @@ class DecodeBalancer:
         rank = self._rank_iv(rank)
         seq = check_int(seq, "seq", min_value=0)
         got_b = check_int(num_requests, "num_requests", min_value=0)
-        got_s = check_int(kv_tokens, "kv_tokens", min_value=0)
+        got_s = check_int(kv_tokens, "kv_tokens", min_value=0, max_value=_MAX_TOKENS)
         c = self._counts
         if seq <= self._seq[rank]:
             c["reports_stale"] += 1
