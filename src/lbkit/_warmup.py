@@ -8,7 +8,7 @@ import time
 __all__ = ["warmup"]
 
 #: Subpackages whose ``_kernels`` module exposes a ``warmup()`` function.
-_KERNEL_PACKAGES = ("core", "prefill", "decode", "eplb")
+_KERNEL_PACKAGES = ("core", "prefill", "decode", "eplb", "sim")
 
 
 def warmup(*, packages: tuple[str, ...] | None = None) -> dict[str, float]:

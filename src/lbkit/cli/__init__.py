@@ -47,7 +47,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``lbkit`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
     # One process, run again and again: cache compiled kernels on disk (see lbkit.core._jit).
+    # Restored on return, so that calling main() from Python leaves the environment as it was.
+    previous = os.environ.get("LBKIT_JIT_CACHE")
     os.environ.setdefault("LBKIT_JIT_CACHE", "1")
+    try:
+        return _run(argv)
+    finally:
+        if previous is None:
+            os.environ.pop("LBKIT_JIT_CACHE", None)
+
+
+def _run(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -53,5 +53,9 @@ def jit(func: F) -> F:
     if _numba is None:  # pragma: no cover
         func.py_func = func  # type: ignore[attr-defined]
         return func
-    cache = os.environ.get("LBKIT_JIT_CACHE", "") == "1"
-    return _numba.njit(nogil=True, cache=cache, fastmath=False)(func)
+    if os.environ.get("LBKIT_JIT_CACHE", "") == "1":
+        try:
+            return _numba.njit(nogil=True, cache=True, fastmath=False)(func)
+        except RuntimeError:  # no file to cache against (e.g. a function defined in a doctest)
+            pass
+    return _numba.njit(nogil=True, cache=False, fastmath=False)(func)
