@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import doctest
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -51,3 +53,12 @@ def test_readme_opens_with_the_two_quickstart_commands():
     assert "pip install" in commands[1] and "pytest" in commands[1]
     ci = (ROOT / ".ci" / "run").read_text()
     assert commands[1] in ci, ".ci/run must run the README's test command verbatim"
+
+
+def test_reference_page_is_generated_from_the_docstrings():
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "docs" / "make_reference.py"), "--check"],
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
