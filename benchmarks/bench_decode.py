@@ -163,7 +163,20 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['efficiency']:11.4f}"
             )
     if args.json is not None:
-        args.json.write_text(json.dumps({"decode_streams": table}, indent=2) + "\n")
+        tables = [
+            {
+                "title": f"Decode streams, {n} ranks",
+                "note": f"Mean over {args.seeds} seeds; `python benchmarks/bench_decode.py`.",
+                "columns": ["policy", "count imbalance", "KV imbalance", "balance efficiency"],
+                "rows": [
+                    [p, r["count_imbalance"], r["kv_imbalance"], r["efficiency"]]
+                    for p, r in rows.items()
+                ],
+            }
+            for n, rows in table.items()
+        ]
+        payload = {"decode_streams": table, "tables": tables}
+        args.json.write_text(json.dumps(payload, indent=2) + "\n")
     return 0
 
 

@@ -13,8 +13,8 @@ Steps:
    timed side by side in this one run (a routing call against a bare ``numpy.argmin`` over the
    same array; a plan against DeepSeek's reference implementation when ``LBKIT_DEEPSEEK_EPLB``
    names a copy of its ``eplb.py`` and torch is installed).
-2. ``python benchmarks/eplb_targets.py --json benchmarks/results/eplb_targets.json``: balance of
-   every EPLB method against the lower bound and exact optima.
+2. The balance scripts of :data:`TABLE_SCRIPTS` (EPLB targets and drift, decode streams, trace
+   replay), each writing ``{"tables": [...]}`` to ``benchmarks/results/``.
 3. Render the page: method first, then tables. The page is never edited by hand.
 """
 
@@ -34,7 +34,20 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 PAGE = ROOT / "docs" / "performance.md"
 BENCH_JSON = RESULTS / "bench.json"
-EPLB_JSON = RESULTS / "eplb_targets.json"
+
+#: Scripts that measure balance and write tables (``{"tables": [...]}``), in page order:
+#: (section title, script, arguments, results file).
+TABLE_SCRIPTS = (
+    ("EPLB balance and plan time", "eplb_targets.py", (), "eplb_targets.json"),
+    ("EPLB re-planning under drift", "eplb_drift.py", (), "eplb_drift.json"),
+    (
+        "Decode balance on synthetic streams",
+        "bench_decode.py",
+        ("--seeds", "10"),
+        "decode_streams.json",
+    ),
+    ("Trace replay (simulator)", "sim_targets.py", (), "sim_targets.json"),
+)
 
 __all__ = ["main", "render"]
 
@@ -57,11 +70,12 @@ def run_benchmarks() -> None:
     ]
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, cwd=ROOT, check=True)
-    targets = ROOT / "benchmarks" / "eplb_targets.py"
-    if targets.exists():
-        cmd = [sys.executable, str(targets), "--json", str(EPLB_JSON)]
-        print("+", " ".join(cmd), flush=True)
-        subprocess.run(cmd, cwd=ROOT, check=True)
+    for _, script, extra, out in TABLE_SCRIPTS:
+        path = ROOT / "benchmarks" / script
+        if path.exists():
+            cmd = [sys.executable, str(path), *extra, "--json", str(RESULTS / out)]
+            print("+", " ".join(cmd), flush=True)
+            subprocess.run(cmd, cwd=ROOT, check=True)
 
 
 def _fmt_time(seconds: float) -> str:
@@ -117,8 +131,8 @@ def _bench_tables(data: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _eplb_tables(data: dict[str, Any]) -> list[str]:
-    """Render the tables that ``benchmarks/eplb_targets.py --json`` wrote."""
+def _tables(data: dict[str, Any]) -> list[str]:
+    """Render ``{"tables": [{"title", "note", "columns", "rows"}]}`` as Markdown tables."""
     lines: list[str] = []
     for table in data.get("tables", []):
         lines += [f"### {table['title']}", ""]
@@ -136,7 +150,6 @@ def _eplb_tables(data: dict[str, Any]) -> list[str]:
 
 def render() -> str:
     bench = json.loads(BENCH_JSON.read_text()) if BENCH_JSON.exists() else {}
-    eplb = json.loads(EPLB_JSON.read_text()) if EPLB_JSON.exists() else {}
     machine = bench.get("machine_info", {})
     when = bench.get("datetime", _dt.datetime.now(_dt.UTC).isoformat())
     lines = [
@@ -154,9 +167,9 @@ def render() -> str:
         "`LBKIT_DEEPSEEK_EPLB` names a copy of its `eplb.py`). numba kernels are compiled "
         "before timing. Medians are reported; the machine is shared, so read ratios, not "
         "absolute times.",
-        "- **Balance** figures come from `python benchmarks/eplb_targets.py`: seeded synthetic "
-        "loads (lognormal and Zipf) and the public DeepSeek-V3 expert-load dumps, reported as "
-        "mean `moe_lb` over layers and as the gap to the lower bound.",
+        "- **Balance** figures come from the scripts named in each section: seeded synthetic "
+        "loads and the public traces (Mooncake conversation, Azure 2023 conversation, "
+        "DeepSeek-V3 expert-load dumps), with fixed seeds.",
         "- `moe_lb` = max GPU load / mean GPU load of a layer; balance efficiency = "
         "`sum_t mean_r L[r,t] / sum_t max_r L[r,t]` (see `docs/metrics.md`).",
         "",
@@ -165,8 +178,12 @@ def render() -> str:
         f"{os.cpu_count()} cores.",
         "",
     ]
-    if eplb:
-        lines += ["## EPLB balance", "", *_eplb_tables(eplb)]
+    for title, script, extra, out in TABLE_SCRIPTS:
+        path = RESULTS / out
+        if path.exists():
+            command = " ".join(["python", f"benchmarks/{script}", *extra])
+            lines += [f"## {title}", "", f"Measured by `{command}`.", ""]
+            lines += _tables(json.loads(path.read_text()))
     if bench:
         lines += ["## Latency", "", *_bench_tables(bench)]
     return "\n".join(lines).rstrip() + "\n"
