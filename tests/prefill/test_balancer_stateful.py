@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from typing import Any, ClassVar
 
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -40,11 +41,14 @@ class Model:
 
 
 class BalancerMachine(RuleBasedStateMachine):
+    #: Balancer options beyond the common ones (subclasses exercise others).
+    OPTIONS: ClassVar[dict[str, Any]] = {"initial_engines": [2, 1, 1]}
+
     def __init__(self):
         super().__init__()
         self.bal = PrefillBalancer(
-            ENGINES, RANKS, cost=COST, edges=EDGES, initial_engines=[2, 1, 1],
-            min_dwell_s=0.0, deadband=0.0, max_moves=2,
+            ENGINES, RANKS, cost=COST, edges=EDGES, min_dwell_s=0.0, deadband=0.0, max_moves=2,
+            **self.OPTIONS,
         )  # fmt: skip
         self.model = Model()
         self.now = 0.0
@@ -68,14 +72,22 @@ class BalancerMachine(RuleBasedStateMachine):
             assert "active" not in stats.engine_state and d.reason == "no_engine"
             self.model.status[rid] = "refused"
             return
-        # The rank is the least loaded of the active engines serving the bucket (lowest index).
+        # The rank is the least loaded of the active engines serving the bucket (lowest index);
+        # with a wake penalty, ranks of idle engines (no load on any rank) count it on top.
         server = stats.bucket_server[d.bucket]
         cand = [
             e * RANKS + r for e in range(ENGINES) for r in range(RANKS)
             if stats.engine_bucket[e] == server and stats.engine_state[e] == "active"
         ]  # fmt: skip
+        wake = self.OPTIONS.get("wake_penalty_s") or 0.0
+
+        def score(x):
+            e = x // RANKS
+            idle = all(before[g] == 0.0 for g in range(e * RANKS, e * RANKS + RANKS))
+            return (before[x] + (wake if idle else 0.0), x)
+
         f = d.engine * RANKS + d.rank
-        assert f == min(cand, key=lambda x: (before[x], x))
+        assert f == min(cand, key=score)
         assert d.reason == ("own_bucket" if server == d.bucket else "shared_bucket")
         self.model.live[rid] = [total, cached, 0, f]
         self.model.status[rid] = "live"
@@ -107,13 +119,43 @@ class BalancerMachine(RuleBasedStateMachine):
         assert self.bal.finish(rid, now_s=self.tick(dt)) == total - cached - done
         self.model.status[rid] = "finished"
 
+    @precondition(lambda self: self.model.live)
+    @rule(data=st.data(), dt=st.floats(0, 2))
+    def record(self, data, dt):
+        # A batch of progress and completions; an id may repeat until its finishing entry.
+        entries, left, gone = [], {}, set()
+        for _ in range(data.draw(st.integers(1, 6))):
+            rid = data.draw(st.sampled_from(self.live_ids()))
+            if rid in gone:
+                continue
+            total, cached, done, _ = self.model.live[rid]
+            room = left.get(rid, total - cached - done)
+            tokens = data.draw(st.integers(0, room))
+            fin = data.draw(st.booleans())
+            left[rid] = room - tokens
+            if fin:
+                gone.add(rid)
+            entries.append((rid, tokens, fin))
+        ids, toks, fins = zip(*entries, strict=True) if entries else ((), (), ())
+        assert self.bal.record(ids, toks, fins, now_s=self.tick(dt)) == len(gone)
+        for rid, tokens, fin in entries:
+            self.model.live[rid][2] += tokens
+            if fin:
+                del self.model.live[rid]
+                self.model.status[rid] = "finished"
+
     @rule(dt=st.floats(0.5, 60))
     def end_round(self, dt):
+        before = self.bal.statistics()
         res = self.bal.end_round(self.tick(dt))
-        assert len(res.moves) <= 2
+        cold = "cold_start_s" in self.OPTIONS and before.rounds == 0
+        assert len(res.moves) <= (ENGINES if cold else 2)
         stats = self.bal.statistics()
+        limit = self.OPTIONS.get("max_drain_s")
         for m in res.moves:
             assert stats.engine_bucket[m.engine] == m.to_bucket
+            if limit is not None:  # engines holding more than max_drain_s stay
+                assert max(before.rank_load[m.engine * RANKS : (m.engine + 1) * RANKS]) <= limit
 
     @rule(engine=st.integers(0, ENGINES - 1), dt=st.floats(0, 2))
     def remove_engine(self, engine, dt):
@@ -171,6 +213,8 @@ class BalancerMachine(RuleBasedStateMachine):
             lambda: self.bal.route("x", -1, 0, now_s=self.now),
             lambda: self.bal.finish("never-routed", now_s=self.now),
             lambda: self.bal.chunk_done("never-routed", 1, now_s=self.now),
+            lambda: self.bal.record(["never-routed"], [1], [False], now_s=self.now),
+            lambda: self.bal.record([], [], [True], now_s=self.now),
         ):
             try:
                 call()
@@ -186,6 +230,14 @@ class BalancerMachine(RuleBasedStateMachine):
                 pass
             else:
                 raise AssertionError("duplicate id accepted")
+            total, cached, done, _ = self.model.live[rid]
+            try:  # the batch's second entry overdraws what the first left: nothing applies
+                self.bal.record([rid, rid], [total - cached - done, 1], [False, True],
+                                now_s=self.now)  # fmt: skip
+            except ValueError:
+                pass
+            else:
+                raise AssertionError("overdrawn batch accepted")
         assert self.bal.statistics() == before
 
     @invariant()
@@ -208,5 +260,15 @@ class BalancerMachine(RuleBasedStateMachine):
             assert all(h >= 0 for h in stats.bucket_server)
 
 
+class OptionsMachine(BalancerMachine):
+    """The same rules with a cold start, engine-aware rank choice and a drain limit."""
+
+    OPTIONS: ClassVar[dict[str, Any]] = {
+        "cold_start_s": 1.0, "max_drain_s": 300.0, "wake_penalty_s": 50.0,
+    }  # fmt: skip
+
+
 BalancerMachine.TestCase.settings = settings(stateful_step_count=40, deadline=None)
 TestBalancerMachine = BalancerMachine.TestCase
+OptionsMachine.TestCase.settings = settings(stateful_step_count=40, deadline=None)
+TestOptionsMachine = OptionsMachine.TestCase

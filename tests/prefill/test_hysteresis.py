@@ -32,17 +32,18 @@ def pools(draw):
     deadband=st.sampled_from([0.0, 0.1, 0.5]),
     max_moves=st.integers(0, 4),
     dwell=st.sampled_from([0.0, 10.0, 60.0]),
+    force=st.booleans(),
 )
-def test_moves_obey_every_rule(pool, deadband, max_moves, dwell):
+def test_moves_obey_every_rule(pool, deadband, max_moves, dwell, force):
     home, d, last, load, movable = pool
     r = rebalance(
         home, d, now_s=100.0, last_move_s=last, movable=movable, engine_load=load,
-        deadband=deadband, max_moves=max_moves, min_dwell_s=dwell,
+        deadband=deadband, max_moves=max_moves, min_dwell_s=dwell, force=force,
     )  # fmt: skip
     before = np.bincount(home[home >= 0], minlength=d.shape[0])
     assert len(r.moves) <= max_moves
     assert r.engines.sum() == before.sum()
-    if r.moves:
+    if r.moves and not force:
         assert r.ideal.bottleneck < r.bottleneck_before * (1 - deadband)
     moved = [m.engine for m in r.moves]
     assert len(set(moved)) == len(moved)
@@ -99,6 +100,17 @@ def test_dwell_and_movable_hold_engines():
     assert [m.engine for m in r.moves] == [1]
 
 
+def test_force_splits_a_shared_group_the_deadband_would_keep():
+    # All engines in bucket 0 serve every bucket as one pooled group: bottleneck 4 / 4 = 1.0,
+    # lower than the ideal split's 3 / 2 = 1.5, so without force nothing moves.
+    home, d = [0, 0, 0, 0], [1.0, 3.0, 0.0]
+    assert rebalance(home, d, now_s=0.0, deadband=0.0).moves == ()
+    r = rebalance(home, d, now_s=0.0, deadband=0.5, max_moves=4, force=True)
+    assert r.engines.tolist() == r.ideal.engines.tolist() == [1, 3, 0]
+    assert [m.engine for m in r.moves] == [0, 1, 2]  # least loaded first: lowest index on ties
+    assert rebalance(home, d, now_s=0.0, max_moves=1, force=True).engines.tolist() == [3, 1, 0]
+
+
 def test_out_of_service_engines_are_neither_counted_nor_moved():
     r = rebalance([0, -1, 0, 1], [1.0, 3.0], now_s=0.0, max_moves=5)
     assert r.engines.tolist() == [1, 2] and all(m.engine != 1 for m in r.moves)
@@ -127,6 +139,7 @@ def test_ideal_matches_allocate_engines():
         ({"now_s": float("nan")}, ValueError, "now_s: must not be NaN"),
         ({"movable": [True]}, ValueError, "movable: must have shape"),
         ({"engine_load": [1.0, -1.0]}, ValueError, "engine_load: must be non-negative"),
+        ({"force": 1}, TypeError, "force: must be a bool"),
     ],
 )
 def test_bad_input(kwargs, exc, match):

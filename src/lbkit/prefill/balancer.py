@@ -6,7 +6,7 @@ It keeps the ledger a router must remember and calls the pure functions of this 
   the engines serving that bucket (:func:`pick_rank`'s rule), charging the rank the request's
   quota (:meth:`QuadraticCost.quota` of its uncached tokens);
 - **chunk_done / finish** record progress: the rank's quota load falls by the quota of the work
-  done;
+  done (**record** takes a batch of both at once);
 - **end_round** re-plans the engines of each bucket from the round's demand, EMA-smoothed
   (:func:`rebalance`: Adams' apportionment under hysteresis);
 - **remove_engine / restore_engine** take an engine out of service (its requests are re-routed
@@ -261,6 +261,22 @@ class PrefillBalancer:
         among its own is above ``spill_ratio`` times the neighbour's. Off by default.
     sample : int, optional
         Power-of-d choices among the bucket's ranks (with ``rng``) instead of the full argmin.
+    cold_start_s : float, optional
+        Cold start: the pool starts as one group (every engine in the lowest bucket, within
+        ``max_engines``, unless ``initial_engines`` is given), the first round lasts
+        ``cold_start_s`` seconds, and its re-plan moves engines to the ideal allocation of the
+        demand seen so far, free of hysteresis (no deadband, any number of moves): buckets
+        that saw no request get no engine. Off by
+        default (the first round is an ordinary one).
+    max_drain_s : float, optional
+        An engine whose most loaded rank holds more than ``max_drain_s`` seconds of quota is
+        not moved to another bucket (its drain would keep it from both buckets for that long).
+        Default: any active engine may move.
+    wake_penalty_s : float, optional
+        Engine-aware rank choice: a rank of an *idle* engine (all its ranks at zero quota load)
+        counts ``wake_penalty_s`` seconds more than its load, so a request fills the free ranks
+        of engines that are already stepping before it wakes an idle engine. Default: off (the
+        plain least quota load).
     rng : numpy Generator, int seed or None
         Randomness for ``sample``.
     now_s : float, default 0
@@ -301,6 +317,9 @@ class PrefillBalancer:
         initial_engines: Any = None,
         spill_ratio: float | None = None,
         sample: int | None = None,
+        cold_start_s: float | None = None,
+        max_drain_s: float | None = None,
+        wake_penalty_s: float | None = None,
         rng: np.random.Generator | int | None = None,
         now_s: float = 0.0,
     ) -> None:
@@ -335,11 +354,27 @@ class PrefillBalancer:
             None if spill_ratio is None else check_real(spill_ratio, "spill_ratio", min_value=1.0)
         )
         self._sample = None if sample is None else check_int(sample, "sample", min_value=1)
+        self._cold = (
+            None
+            if cold_start_s is None
+            else check_real(cold_start_s, "cold_start_s", min_value=0.0, strict_min=True)
+        )
+        self._max_drain = (
+            None if max_drain_s is None else check_real(max_drain_s, "max_drain_s", min_value=0.0)
+        )
+        self._wake = (
+            None
+            if wake_penalty_s is None
+            else check_real(wake_penalty_s, "wake_penalty_s", min_value=0.0)
+        )
         self._rng = as_rng(rng)
         now = _time(now_s)
         if initial_engines is None:
+            seed = np.zeros(nb)
+            if self._cold is not None:
+                seed[0] = 1.0  # one group: demand only in the lowest bucket
             counts = allocate_engines(
-                np.zeros(nb), e, min_engines=self._min_engines, max_engines=self._max_engines
+                seed, e, min_engines=self._min_engines, max_engines=self._max_engines
             ).engines
         else:
             counts = as_int_array(initial_engines, "initial_engines", shape=(nb,), min_value=0)
@@ -403,8 +438,12 @@ class PrefillBalancer:
         return tuple(self._queues[engine * self._ranks + rank])
 
     def round_due(self, now_s: float) -> bool:
-        """Whether ``round_s`` seconds have passed since the current round started."""
-        return _time(now_s) - self._round_start >= self._round_s
+        """Whether the current round is over: ``round_s`` seconds (``cold_start_s`` for the
+        first round under a cold start) have passed since it started."""
+        length = self._round_s
+        if self._cold is not None and self._counts["rounds"] == 0:
+            length = self._cold
+        return _time(now_s) - self._round_start >= length
 
     # ------------------------------------------------------------------ routing
     def _rebuild(self) -> None:
@@ -450,25 +489,40 @@ class PrefillBalancer:
         hi = self._hi[bucket]
         if lo == hi:
             return -1, "no_engine"
-        load = self._load
+        vals = self._scores(lo, hi)
         if self._sample is None or self._sample >= hi - lo:
-            slot = lo + int(load[lo:hi].argmin())
+            k = int(vals.argmin())
         else:
-            pick = np.sort(self._rng.choice(hi - lo, size=self._sample, replace=False)) + lo
-            slot = int(pick[np.argmin(load[pick])])
+            pick = np.sort(self._rng.choice(hi - lo, size=self._sample, replace=False))
+            k = int(pick[np.argmin(vals[pick])])
+        slot = lo + k
         reason = "own_bucket" if self._server[bucket] == bucket else "shared_bucket"
         if self._spill is not None:
-            own = best = load[slot]
+            own = best = vals[k]
             for nbr in (bucket - 1, bucket + 1):
                 if not 0 <= nbr < len(self._lo) or self._server[nbr] == self._server[bucket]:
                     continue
                 nlo, nhi = self._lo[nbr], self._hi[nbr]
                 if nlo == nhi:
                     continue
-                ns = nlo + int(load[nlo:nhi].argmin())
-                if own > self._spill * load[ns] and load[ns] < best:
-                    slot, best, reason = ns, load[ns], "spill"
+                nvals = self._scores(nlo, nhi)  # the neighbour's idle engines pay the penalty
+                nk = int(nvals.argmin())
+                if own > self._spill * nvals[nk] and nvals[nk] < best:
+                    slot, best, reason = nlo + nk, nvals[nk], "spill"
         return slot, reason
+
+    def _scores(self, lo: int, hi: int) -> np.ndarray:
+        """Routing scores of the slots ``lo:hi``: the quota loads, plus the wake penalty on the
+        ranks of idle engines (all ranks at zero load) when ``wake_penalty_s`` is set.
+
+        Slots of one engine are contiguous (``_rebuild`` lays engines out rank by rank), so the
+        slice reshapes to (engines, ranks).
+        """
+        vals = self._load[lo:hi]
+        if self._wake is None or self._wake == 0.0:
+            return vals
+        block = vals.reshape(-1, self._ranks)
+        return (block + np.where(block.max(axis=1) > 0.0, 0.0, self._wake)[:, None]).ravel()
 
     def route(
         self, request_id: Hashable, total_tokens: int, cached_tokens: int = 0, *, now_s: float
@@ -604,6 +658,92 @@ class PrefillBalancer:
         self._maybe_join(req.rank // self._ranks)
         return left
 
+    def record(self, request_ids: Any, tokens: Any, finished: Any, /, *, now_s: float) -> int:
+        """Record a batch of progress and completions, as ``chunk_done`` then ``finish`` would.
+
+        Entry ``i`` says that ``tokens[i]`` more tokens of ``request_ids[i]`` were prefilled,
+        and, if ``finished[i]``, that the request then left (finished or aborted). An id may
+        appear several times (later entries continue from earlier ones) but not after its
+        finishing entry. The batch is validated as a whole first: if any entry is bad, nothing
+        is applied. The final state equals that of the equivalent sequence of ``chunk_done``
+        and ``finish`` calls; each touched rank's load is re-summed once, which makes a batch
+        much cheaper than the calls one by one.
+
+        Parameters
+        ----------
+        request_ids : sequence of int or str, length n
+        tokens : sequence of int, length n
+            Tokens prefilled since the request's previous record (>= 0).
+        finished : sequence of bool, length n
+        now_s : float
+
+        Returns
+        -------
+        int
+            Requests that left the ledger.
+
+        Raises
+        ------
+        KeyError
+            Unknown request id (or an id recorded after its finishing entry).
+        ValueError, TypeError
+            Sequences of different lengths, bad token counts, or more tokens than a request has
+            left.
+
+        Runtime complexity: O(n + requests on the touched ranks).
+        """
+        _time(now_s)
+        ids = list(request_ids.tolist() if isinstance(request_ids, np.ndarray) else request_ids)
+        toks = list(tokens.tolist() if isinstance(tokens, np.ndarray) else tokens)
+        fins = list(finished.tolist() if isinstance(finished, np.ndarray) else finished)
+        if not len(ids) == len(toks) == len(fins):
+            raise ValueError(
+                "request_ids, tokens, finished: must have the same length, got "
+                f"{len(ids)}, {len(toks)} and {len(fins)}"
+            )
+        requests = self._requests
+        done: dict[int, int] = {}
+        gone: set[int] = set()
+        entries: list[tuple[_Request, int, bool]] = []
+        for rid, tok, fin in zip(ids, toks, fins, strict=True):
+            req = requests.get(rid) if isinstance(rid, (int, str)) else None
+            if req is None or id(req) in gone:
+                raise KeyError(f"request_id: unknown request {rid!r}")
+            if not (type(tok) is int and tok >= 0):
+                tok = _tokens(tok, "tokens")
+            key = id(req)
+            d = done.get(key, req.done) + tok
+            if d > req.total - req.cached:
+                raise ValueError(
+                    f"tokens: request {rid!r} has {req.total - req.cached - d + tok} tokens left "
+                    f"to prefill, got {tok}"
+                )
+            done[key] = d
+            fin = bool(fin)
+            if fin:
+                gone.add(key)
+            entries.append((req, tok, fin))
+        touched: set[int] = set()
+        quota = self._quota
+        n_fin = 0
+        for req, tok, fin in entries:
+            if tok:
+                req.done += tok
+                req.quota = quota(req.total - req.cached - req.done, req.cached + req.done)
+            touched.add(req.rank)
+            if fin:
+                del requests[req.rid]
+                del self._queues[req.rank][req.rid]
+                n_fin += 1
+        for f in touched:
+            queue = self._queues[f]
+            self._load[self._slot[f]] = math.fsum(q.quota for q in queue.values()) if queue else 0.0
+        self._counts["finished"] += n_fin
+        if n_fin:
+            for e in sorted({f // self._ranks for f in touched}):
+                self._maybe_join(e)
+        return n_fin
+
     def _drop(self, req: _Request) -> None:
         del self._requests[req.rid]
         queue = self._queues[req.rank]
@@ -629,7 +769,9 @@ class PrefillBalancer:
 
         The round's demand per bucket is the quota routed to it divided by the round's length.
         Engines are re-planned by :func:`rebalance` over the engines in service; engines that
-        move stop taking work and join their new bucket once drained (at once if idle).
+        move stop taking work and join their new bucket once drained (at once if idle). Under
+        ``max_drain_s``, engines holding more work than that stay. Under ``cold_start_s``, the
+        first round's re-plan ignores the deadband and ``max_moves``.
 
         Raises
         ------
@@ -650,19 +792,24 @@ class PrefillBalancer:
         bucket = np.where(self._state == _OUT, -1, self._home)
         in_service = int((bucket >= 0).sum())
         r = self._ranks
-        flat = self.rank_loads()
-        engine_load = flat.reshape(self._num_engines, r).sum(axis=1)
+        flat = self.rank_loads().reshape(self._num_engines, r)
+        engine_load = flat.sum(axis=1)
+        movable = self._state == _ACTIVE
+        if self._max_drain is not None:
+            movable &= flat.max(axis=1) <= self._max_drain
+        cold = self._cold is not None and self._counts["rounds"] == 0
         result = None
         if in_service:
             kwargs = dict(
                 now_s=now,
                 last_move_s=self._last_move,
-                movable=self._state == _ACTIVE,
+                movable=movable,
                 engine_load=np.maximum(engine_load, 0.0),
                 deadband=self._deadband,
-                max_moves=self._max_moves,
+                max_moves=self._num_engines if cold else self._max_moves,
                 min_dwell_s=self._min_dwell_s,
                 method=self._method,
+                force=cold,
             )
             try:
                 result = rebalance(
@@ -973,6 +1120,9 @@ class PrefillBalancer:
                 "max_engines": None if self._max_engines is None else self._max_engines.tolist(),
                 "spill_ratio": self._spill,
                 "sample": self._sample,
+                "cold_start_s": self._cold,
+                "max_drain_s": self._max_drain,
+                "wake_penalty_s": self._wake,
             },
             "state": {
                 "engine_bucket": self._home.tolist(),

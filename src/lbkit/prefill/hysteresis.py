@@ -17,6 +17,8 @@ engines towards the ideal allocation only when that pays:
    non-empty bucket an engine, so this only binds when there are fewer engines than non-empty
    buckets (or under another method): then the pool may stay short of the ideal grouping.
 
+``force=True`` skips the deadband test (1), e.g. for the first re-plan after a cold start.
+
 Among the donor's movable engines the one with the least ``engine_load`` moves (it drains
 fastest), lowest engine index on ties.
 """
@@ -122,6 +124,7 @@ def rebalance(
     method: str = DEFAULT_METHOD,
     min_engines: Any = None,
     max_engines: Any = None,
+    force: bool = False,
 ) -> Rebalance:
     """One hysteresis step: the engine moves that bring the pool towards the ideal allocation.
 
@@ -148,6 +151,11 @@ def rebalance(
         An engine moves again only ``min_dwell_s`` seconds after its last move.
     method, min_engines, max_engines
         Passed to the apportionment method (see :func:`allocate_engines`).
+    force : bool, default False
+        Move towards the ideal allocation even when its bottleneck is not below the current one
+        by the deadband. The current bottleneck can be the lower one when buckets share engines
+        (a shared group pools its demand), e.g. when a pool that started as one group is first
+        split by length.
 
     Returns
     -------
@@ -183,7 +191,9 @@ def rebalance(
     d_eff = d if d.sum() > 0 else np.ones(nb)
     before = _bottleneck(d_eff, s)
     moves: list[Move] = []
-    if not ideal.bottleneck < before * (1.0 - band):
+    if not isinstance(force, (bool, np.bool_)):
+        raise TypeError(f"force: must be a bool, got {type(force).__name__}")
+    if not force and not ideal.bottleneck < before * (1.0 - band):
         return Rebalance(s, (), ideal, before, before)
     can = alive & mov & (now - last >= dwell)
     home = home.copy()
