@@ -1,0 +1,692 @@
+"""Re-plan an EPLB placement for new loads while moving few expert replicas.
+
+Moving a replica means copying an expert's weights to another GPU while serving, so a re-plan
+should keep what it can. A **move** is a replica that a GPU holds in the new plan and did not hold
+in the old one, counted with multiplicity per ``(layer, GPU, expert)``:
+
+    moves = sum over layers l, GPUs g, experts e of max(0, new[l, g, e] - old[l, g, e])
+
+The position of a replica among a GPU's slots is free: unchanged replicas keep their slots.
+
+Per sub-problem (a layer under the global policy, a node of a layer under the hierarchical one)
+with a target largest GPU load ``T = (1 + tolerance) * bound`` (``bound`` from
+:func:`lbkit.eplb.lower_bound` of the sub-problem's new loads; hierarchical: the largest node
+bound of the layer, so that lighter nodes stop earlier):
+
+1. **Counts** stay as they were unless a replica is too large for any GPU holding it to reach
+   ``T``; then that expert gains a replica from the expert that loses least.
+2. **Keep, then fill**: every other old replica stays; the new replicas fill the freed slots,
+   largest first, each into the lightest GPU with a free slot.
+3. **Unpin and repack**: while the most loaded GPU is above ``T``, one of its replicas is released
+   (and, when that alone does not help, the smallest replica of the least loaded GPU); all
+   released replicas are repacked, returning home when that fits under ``T``. Released replicas
+   that find their way home cost nothing, so the repack forms chains of exchanges that fix
+   several heavy GPUs for little more than one move each.
+4. The best state within the movement budget is kept (lowest largest load, then fewest moves).
+   A layer whose re-plan would be worse than keeping the old plan under the new loads keeps the
+   old plan (zero moves).
+
+**Hierarchical policy**: groups stay on the node of the old plan unless that costs balance. The
+rule: over every group-to-node assignment (``num_groups / num_nodes`` groups per node; when there
+are more than 50 000 assignments, over those reached by exchanging pairs of groups from the old
+one), let ``best`` be the smallest largest node load; the assignment kept is the one that moves
+the fewest groups among those whose largest node load is at most ``(1 + regroup_tolerance) *
+best`` (then the smaller largest node load, then enumeration order). Moving a group moves all of
+its replicas, typically an eighth of a layer's slots or more.
+
+**Budgets**: ``max_moves`` caps moves per layer; ``max_moves_total`` caps their sum. With a total
+budget every layer is re-planned at a ladder of budgets and one result per layer is chosen to
+minimise the mean ``moe_lb`` within the total (Lagrangian relaxation: the smallest price per move
+at which the chosen results fit, found by bisection). :func:`replan_tradeoff` returns the curve
+of (moves, moe_lb) over a few budgets.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from lbkit.core.validation import as_int_array, check_int, check_real
+from lbkit.eplb import _replan_kernels
+from lbkit.eplb._plan import EplbPlan, Problem, _finish_plan, _rebalance_iv
+from lbkit.eplb.bounds import lower_bound, moe_lb
+
+__all__ = [
+    "DEFAULT_REGROUP_TOLERANCE",
+    "DEFAULT_TOLERANCE",
+    "ExpertMoves",
+    "ReplanResult",
+    "ReplanTradeoff",
+    "apply_moves",
+    "replan_experts",
+    "replan_tradeoff",
+]
+
+#: Relative gap to the lower bound under which a re-plan stops moving replicas.
+DEFAULT_TOLERANCE = 0.005
+
+#: Relative loss of node balance accepted to keep groups on their old nodes (hierarchical).
+DEFAULT_REGROUP_TOLERANCE = 0.005
+
+#: Unpin steps per sub-problem (each releases one or two replicas).
+_MAX_STEPS_PER_SLOT = 1
+
+#: Group-to-node assignments enumerated exhaustively up to this many.
+_MAX_ASSIGNMENTS = 50_000
+
+
+class ExpertMoves(NamedTuple):
+    """The copies a transfer engine makes to go from the old plan to the new one.
+
+    One entry per move, sorted by layer then slot; all arrays ``int64`` of the same length.
+
+    Attributes
+    ----------
+    layer : ndarray
+        Layer of the move.
+    gpu : ndarray
+        Destination GPU (``slot // S``).
+    slot : ndarray
+        Physical slot (column of ``phy2log``) that receives the expert.
+    new_expert : ndarray
+        Logical expert copied into the slot.
+    old_expert : ndarray
+        Logical expert the slot held in the old plan (the replica it replaces).
+    source_gpu : ndarray
+        A GPU that holds ``new_expert`` under the old plan: one that keeps it in the new plan if
+        any, then one on the destination's node, lowest index among equals; ``-1`` if none.
+    """
+
+    layer: np.ndarray
+    gpu: np.ndarray
+    slot: np.ndarray
+    new_expert: np.ndarray
+    old_expert: np.ndarray
+    source_gpu: np.ndarray
+
+
+class ReplanResult(NamedTuple):
+    """Result of :func:`replan_experts`.
+
+    Attributes
+    ----------
+    plan : EplbPlan
+        The new plan (torch tensors when ``weight`` was one).
+    moves : ExpertMoves
+        The moves, ``len(moves.slot) == num_moves.sum()``.
+    num_moves : ndarray of int64, shape (layers,)
+        Moves per layer.
+    moe_lb : ndarray of float64, shape (layers,)
+        ``moe_lb`` of the new plan under the new loads.
+    previous_moe_lb : ndarray of float64, shape (layers,)
+        ``moe_lb`` of the old plan under the new loads (what keeping it would give).
+    regrouped : ndarray of bool, shape (layers,)
+        Layers whose group-to-node assignment changed (hierarchical policy).
+    """
+
+    plan: EplbPlan
+    moves: ExpertMoves
+    num_moves: np.ndarray
+    moe_lb: np.ndarray
+    previous_moe_lb: np.ndarray
+    regrouped: np.ndarray
+
+
+class ReplanTradeoff(NamedTuple):
+    """Moves against balance over total budgets (:func:`replan_tradeoff`); arrays of one length.
+
+    Attributes
+    ----------
+    max_moves_total : ndarray of int64
+        Total budget.
+    num_moves : ndarray of int64
+        Moves made (at most the budget).
+    mean_moe_lb, worst_moe_lb : ndarray of float64
+        Mean and largest ``moe_lb`` over layers under the new loads.
+    """
+
+    max_moves_total: np.ndarray
+    num_moves: np.ndarray
+    mean_moe_lb: np.ndarray
+    worst_moe_lb: np.ndarray
+
+
+class _Replan(NamedTuple):
+    problem: Problem
+    previous: np.ndarray  # (layers, R) int64
+    budget: np.ndarray  # (layers,) int64
+    total: int | None
+    tolerance: float
+    regroup_tolerance: float
+    num_groups: int  # as given (the problem holds (1, 1) under the global policy)
+    num_nodes: int
+
+
+def _replan_iv(
+    weight: Any,
+    previous_phy2log: Any,
+    num_replicas: Any,
+    num_groups: Any,
+    num_nodes: Any,
+    num_gpus: Any,
+    policy: Any,
+    max_moves: Any,
+    max_moves_total: Any,
+    tolerance: Any,
+    regroup_tolerance: Any,
+) -> _Replan:
+    problem = _rebalance_iv(weight, num_replicas, num_groups, num_nodes, num_gpus, policy)
+    layers, experts = problem.weight.shape
+    slots = problem.num_replicas
+    prev = as_int_array(previous_phy2log, "previous_phy2log", ndim=2)
+    if prev.shape != (layers, slots):
+        raise ValueError(
+            f"previous_phy2log: must have shape (layers, num_replicas) = ({layers}, {slots}), "
+            f"got {prev.shape}"
+        )
+    if prev.min() < 0 or prev.max() >= experts:
+        bad = np.argwhere((prev < 0) | (prev >= experts))[0]
+        raise ValueError(
+            f"previous_phy2log: slots must name experts in [0, {experts}) (layer {bad[0]}, slot "
+            f"{bad[1]} holds {prev[bad[0], bad[1]]})"
+        )
+    held = np.zeros((layers, experts), dtype=np.int64)
+    np.add.at(held, (np.repeat(np.arange(layers), slots), prev.ravel()), 1)
+    if (held == 0).any():
+        layer, expert = (int(i) for i in np.argwhere(held == 0)[0])
+        raise ValueError(
+            f"previous_phy2log: every expert needs a replica (layer {layer} has none of expert "
+            f"{expert})"
+        )
+    if problem.hierarchical:
+        _old_partition(prev, experts, int(num_groups), int(num_nodes))  # raises if invalid
+    if max_moves is None:
+        budget = np.full(layers, slots, dtype=np.int64)
+    elif np.ndim(max_moves) == 0:
+        budget = np.full(layers, check_int(max_moves, "max_moves", min_value=0), dtype=np.int64)
+    else:
+        budget = as_int_array(max_moves, "max_moves", shape=(layers,), min_value=0)
+    budget = np.minimum(budget, slots)
+    total = None
+    if max_moves_total is not None:
+        total = check_int(max_moves_total, "max_moves_total", min_value=0)
+    tolerance = check_real(tolerance, "tolerance", min_value=0.0)
+    regroup_tolerance = check_real(regroup_tolerance, "regroup_tolerance", min_value=0.0)
+    return _Replan(
+        problem, prev, budget, total, tolerance, regroup_tolerance, int(num_groups), int(num_nodes)
+    )
+
+
+def _old_partition(prev: np.ndarray, experts: int, num_groups: int, num_nodes: int) -> np.ndarray:
+    """Node of every group in every layer of a hierarchical plan, ``(layers, num_groups)``."""
+    layers, slots = prev.shape
+    node_of_slot = np.arange(slots) // (slots // num_nodes)
+    group = prev // (experts // num_groups)
+    lo = np.full((layers, num_groups), num_nodes, dtype=np.int64)
+    hi = np.full((layers, num_groups), -1, dtype=np.int64)
+    rows = np.repeat(np.arange(layers), slots)
+    np.minimum.at(lo, (rows, group.ravel()), np.tile(node_of_slot, layers))
+    np.maximum.at(hi, (rows, group.ravel()), np.tile(node_of_slot, layers))
+    if (lo != hi).any():
+        layer, g = (int(i) for i in np.argwhere(lo != hi)[0])
+        raise ValueError(
+            "previous_phy2log: the hierarchical policy keeps every group on one node, but group "
+            f"{g} of layer {layer} has replicas on nodes {lo[layer, g]} and {hi[layer, g]}"
+        )
+    per = num_groups // num_nodes
+    for layer in range(layers):
+        counts = np.bincount(lo[layer], minlength=num_nodes)
+        if (counts != per).any():
+            raise ValueError(
+                f"previous_phy2log: the hierarchical policy puts {per} groups on each node, "
+                f"layer {layer} has {counts.tolist()}"
+            )
+    return lo
+
+
+_ASSIGNMENT_CACHE: dict[tuple[int, int], np.ndarray] = {}
+
+
+def _all_assignments(num_groups: int, num_nodes: int) -> np.ndarray | None:
+    """Every labelled assignment of groups to nodes with equal counts, or ``None`` if too many."""
+    per = num_groups // num_nodes
+    count = math.factorial(num_groups) // math.factorial(per) ** num_nodes
+    if count > _MAX_ASSIGNMENTS:
+        return None
+    key = (num_groups, num_nodes)
+    if key not in _ASSIGNMENT_CACHE:
+        base = np.repeat(np.arange(num_nodes), per)
+        seen = sorted(set(itertools.permutations(base.tolist())))
+        _ASSIGNMENT_CACHE[key] = np.array(seen, dtype=np.int64)
+    return _ASSIGNMENT_CACHE[key]
+
+
+def _choose_partition(
+    group_load: np.ndarray, old: np.ndarray, num_nodes: int, regroup_tolerance: float
+) -> np.ndarray:
+    """Group-to-node assignment of one layer by the rule of the module docstring."""
+    if len(group_load) == num_nodes:  # one group per node: every assignment is as good
+        return old.copy()
+    cands = _all_assignments(len(group_load), num_nodes)
+    if cands is None:  # exchanges of two groups from the old assignment, steepest descent
+        cands = [old.copy()]
+        cur = old.copy()
+        while True:
+            loads = np.bincount(cur, weights=group_load, minlength=num_nodes)
+            best, best_v = None, loads.max()
+            for a, b in itertools.combinations(range(len(cur)), 2):
+                if cur[a] == cur[b]:
+                    continue
+                trial = cur.copy()
+                trial[a], trial[b] = cur[b], cur[a]
+                v = np.bincount(trial, weights=group_load, minlength=num_nodes).max()
+                if v < best_v * (1 - 1e-12):
+                    best, best_v = trial, v
+            if best is None:
+                break
+            cur = best
+            cands.append(cur.copy())
+        cands = np.array(cands)
+    onehot = cands[:, :, None] == np.arange(num_nodes)[None, None, :]
+    node_load = np.einsum("akn,k->an", onehot, group_load)
+    top = node_load.max(axis=1)
+    moved = (cands != old[None, :]).sum(axis=1)
+    ok = top <= top.min() * (1.0 + regroup_tolerance) + 1e-12 * max(top.min(), 1.0)
+    order = np.lexsort((np.arange(len(cands)), top, np.where(ok, moved, np.iinfo(np.int64).max)))
+    return cands[order[0]]
+
+
+def _place(prev_gpu: np.ndarray, new_multiset: np.ndarray) -> np.ndarray:
+    """Slots of one GPU: kept replicas stay in their slots, new ones fill the others (lowest
+    slot first, experts in increasing order)."""
+    out = np.full_like(prev_gpu, -1)
+    want = {}
+    for e in new_multiset.tolist():
+        want[e] = want.get(e, 0) + 1
+    for i, e in enumerate(prev_gpu.tolist()):
+        if want.get(e, 0) > 0:
+            out[i] = e
+            want[e] -= 1
+    rest = sorted(itertools.chain.from_iterable([e] * k for e, k in want.items() if k > 0))
+    out[out < 0] = rest
+    return out
+
+
+def _replan_layer(
+    w: np.ndarray,
+    prev: np.ndarray,
+    node_of_group: np.ndarray | None,
+    node_bound: np.ndarray,
+    args: _Replan,
+    budget: int,
+) -> tuple[np.ndarray, int]:
+    """Re-plan one layer with the given partition; returns ``(phy2log row, moves)``.
+
+    ``moves > budget`` means the budget cannot even pay for the replicas the partition forces.
+    """
+    p = args.problem
+    experts, slots = w.shape[0], p.num_replicas
+    nodes = 1 if node_of_group is None else args.num_nodes
+    g_per_node = p.num_gpus // nodes
+    per_gpu = slots // p.num_gpus
+    phy_per_node = slots // nodes
+    target = float(node_bound.max()) * (1.0 + args.tolerance)
+    group_size = experts // (1 if node_of_group is None else args.num_groups)
+    new = np.empty(slots, dtype=np.int64)
+    jobs = []
+    for n in range(nodes):
+        if node_of_group is None:
+            local2log = np.arange(experts)
+        else:
+            groups = np.flatnonzero(node_of_group == n)
+            local2log = (groups[:, None] * group_size + np.arange(group_size)).ravel()
+        log2local = np.full(experts, -1, dtype=np.int64)
+        log2local[local2log] = np.arange(len(local2log))
+        seg = prev[n * phy_per_node : (n + 1) * phy_per_node]
+        old_exp = log2local[seg].reshape(g_per_node, per_gpu)
+        wl = w[local2log]
+        size = wl / np.maximum(np.bincount(old_exp[old_exp >= 0], minlength=len(wl)), 1)
+        stale = np.where(old_exp >= 0, size[np.maximum(old_exp, 0)], np.inf).sum(axis=1).max()
+        jobs.append((stale / target, n, local2log, old_exp, wl))
+    left = budget
+    total = 0
+    for _, n, local2log, old_exp, wl in sorted(jobs, key=lambda j: (-j[0], j[1])):
+        out = np.empty_like(old_exp)
+        steps = _MAX_STEPS_PER_SLOT * old_exp.size + 8
+        used = _replan_kernels.replan_subproblem(wl, old_exp, target, left, steps, out)
+        if used > left:
+            return prev.copy(), budget + 1
+        left -= used
+        total += used
+        for gl in range(g_per_node):
+            base = n * phy_per_node + gl * per_gpu
+            new[base : base + per_gpu] = _place(prev[base : base + per_gpu], local2log[out[gl]])
+    return new, total
+
+
+def _node_bounds(w: np.ndarray, partitions: np.ndarray | None, args: _Replan) -> np.ndarray:
+    """Absolute lower bound on the largest GPU load of every sub-problem, ``(layers, nodes)``."""
+    p = args.problem
+    layers, experts = w.shape
+    if partitions is None:
+        lb = lower_bound(w, p.num_replicas, 1, 1, p.num_gpus, policy="global")
+        return (lb * w.sum(axis=1) / p.num_gpus)[:, None]
+    nodes, groups = args.num_nodes, args.num_groups
+    group_size = experts // groups
+    rows = []
+    for layer in range(layers):
+        for n in range(nodes):
+            g = np.flatnonzero(partitions[layer] == n)
+            rows.append(w[layer, (g[:, None] * group_size + np.arange(group_size)).ravel()])
+    wn = np.array(rows)
+    gpn = p.num_gpus // nodes
+    lb = lower_bound(wn, p.num_replicas // nodes, 1, 1, gpn, policy="global")
+    return (lb * wn.sum(axis=1) / gpn).reshape(layers, nodes)
+
+
+def _replan_all(args: _Replan, budgets: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Re-plan every layer under per-layer budgets: ``(phy2log, moves, regrouped)``."""
+    p = args.problem
+    w, prev = p.weight, args.previous
+    layers, experts = w.shape
+    partitions = old_parts = None
+    if p.hierarchical:
+        old_parts = _old_partition(prev, experts, args.num_groups, args.num_nodes)
+        group_load = w.reshape(layers, args.num_groups, -1).sum(axis=2)
+        partitions = np.array(
+            [
+                _choose_partition(
+                    group_load[i], old_parts[i], args.num_nodes, args.regroup_tolerance
+                )
+                for i in range(layers)
+            ]
+        )
+    bounds = _node_bounds(w, partitions, args)
+    old_bounds = _node_bounds(w, old_parts, args) if p.hierarchical else bounds
+    phy2log = prev.copy()
+    moves = np.zeros(layers, dtype=np.int64)
+    regrouped = np.zeros(layers, dtype=bool)
+    for layer in range(layers):
+        part = None if partitions is None else partitions[layer]
+        row, used = _replan_layer(
+            w[layer], prev[layer], part, bounds[layer], args, int(budgets[layer])
+        )
+        if used > budgets[layer] and part is not None:
+            part = old_parts[layer]
+            row, used = _replan_layer(
+                w[layer], prev[layer], part, old_bounds[layer], args, int(budgets[layer])
+            )
+        if used > budgets[layer]:
+            row, used = prev[layer].copy(), 0
+        phy2log[layer] = row
+        moves[layer] = used
+        if part is not None:
+            regrouped[layer] = not np.array_equal(part, old_parts[layer])
+    # Never worse than keeping the old plan, layer by layer.
+    new_lb = moe_lb(w, phy2log, num_gpus=p.num_gpus)
+    old_lb = moe_lb(w, prev, num_gpus=p.num_gpus)
+    worse = new_lb > old_lb
+    phy2log[worse] = prev[worse]
+    moves[worse] = 0
+    regrouped[worse] = False
+    return phy2log, moves, regrouped
+
+
+def _budget_ladder(limit: int) -> list[int]:
+    out = {0, limit}
+    b = 1.0
+    while b < limit:
+        out.add(int(b))
+        b *= 1.5
+    return sorted(out)
+
+
+def _replan_total(args: _Replan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Re-plan under a total budget (module docstring)."""
+    p = args.problem
+    first = _replan_all(args, args.budget)
+    if first[1].sum() <= args.total:
+        return first
+    layers = p.weight.shape[0]
+    mean = np.maximum(p.weight.sum(axis=1) / p.num_gpus, 1e-300)
+    ladders = [_budget_ladder(int(first[1][i])) for i in range(layers)]
+    levels = max(len(lad) for lad in ladders)
+    runs = []
+    for k in range(levels):
+        b = np.array([lad[min(k, len(lad) - 1)] for lad in ladders], dtype=np.int64)
+        runs.append(first if k == levels - 1 and (b == args.budget).all() else _replan_all(args, b))
+    cand_m = np.array([r[1] for r in runs])  # (levels, layers)
+    cand_v = np.array(
+        [moe_lb(p.weight, r[0], num_gpus=p.num_gpus) for r in runs]
+    )  # (levels, layers)
+    del mean
+
+    def pick(price: float) -> np.ndarray:
+        return np.lexsort((cand_m, cand_v + price * cand_m), axis=0)[0]
+
+    lo, hi = 0.0, 1.0
+    while cand_m[pick(hi), np.arange(layers)].sum() > args.total and hi < 1e12:
+        hi *= 4.0
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        if cand_m[pick(mid), np.arange(layers)].sum() > args.total:
+            lo = mid
+        else:
+            hi = mid
+    choice = pick(hi)
+    cols = np.arange(layers)
+    if cand_m[choice, cols].sum() > args.total:  # cannot happen: level 0 has zero moves
+        choice = np.zeros(layers, dtype=np.int64)
+    phy2log = np.stack([runs[choice[i]][0][i] for i in range(layers)])
+    return phy2log, cand_m[choice, cols], np.array([runs[choice[i]][2][i] for i in cols])
+
+
+def _moves_list(prev: np.ndarray, new: np.ndarray, num_gpus: int, num_nodes: int) -> ExpertMoves:
+    slots = prev.shape[1]
+    per_gpu = slots // num_gpus
+    gpus_per_node = num_gpus // max(num_nodes, 1)
+    layer_idx, slot_idx = np.nonzero(prev != new)
+    src = np.full(len(slot_idx), -1, dtype=np.int64)
+    for k, (layer, s) in enumerate(zip(layer_idx.tolist(), slot_idx.tolist(), strict=True)):
+        e = new[layer, s]
+        old_gpus = np.unique(np.flatnonzero(prev[layer] == e) // per_gpu)
+        if len(old_gpus) == 0:
+            continue
+        keeps = np.isin(old_gpus, np.flatnonzero(new[layer] == e) // per_gpu)
+        dest_node = (s // per_gpu) // gpus_per_node
+        same = old_gpus // gpus_per_node == dest_node
+        src[k] = old_gpus[np.lexsort((old_gpus, ~same, ~keeps))[0]]
+    return ExpertMoves(
+        layer_idx.astype(np.int64),
+        (slot_idx // per_gpu).astype(np.int64),
+        slot_idx.astype(np.int64),
+        new[layer_idx, slot_idx],
+        prev[layer_idx, slot_idx],
+        src,
+    )
+
+
+def replan_experts(
+    weight: Any,
+    previous_phy2log: Any,
+    num_replicas: int,
+    num_groups: int,
+    num_nodes: int,
+    num_gpus: int,
+    /,
+    *,
+    policy: str | None = None,
+    max_moves: Any = None,
+    max_moves_total: int | None = None,
+    tolerance: float = DEFAULT_TOLERANCE,
+    regroup_tolerance: float = DEFAULT_REGROUP_TOLERANCE,
+) -> ReplanResult:
+    """Plan replicas for new loads starting from ``previous_phy2log``, moving few replicas.
+
+    Parameters
+    ----------
+    weight : array_like or torch.Tensor, shape (layers, experts)
+        New load of each logical expert, as in :func:`lbkit.eplb.rebalance_experts`.
+    previous_phy2log : array_like of int, shape (layers, num_replicas)
+        The plan in service: expert held by each physical slot. Every expert must have a slot in
+        every layer; under the hierarchical policy every group must sit on one node with
+        ``num_groups / num_nodes`` groups per node.
+    num_replicas, num_groups, num_nodes, num_gpus : int
+        As in :func:`lbkit.eplb.rebalance_experts` (same validation and policy rule).
+    policy : {None, "global", "hierarchical"}
+        As in :func:`lbkit.eplb.rebalance_experts`.
+    max_moves : int or array_like of int, shape (layers,), optional
+        Moves allowed per layer (default: unlimited). ``0`` keeps the old plan.
+    max_moves_total : int, optional
+        Moves allowed over all layers (default: unlimited); combined with ``max_moves``.
+    tolerance : float, default :data:`DEFAULT_TOLERANCE`
+        A sub-problem stops moving replicas once its largest GPU load is within this relative
+        gap of its lower bound.
+    regroup_tolerance : float, default :data:`DEFAULT_REGROUP_TOLERANCE`
+        Hierarchical policy: node balance given up to keep groups on their nodes (module
+        docstring).
+
+    Returns
+    -------
+    ReplanResult
+        ``plan`` (a valid placement), ``moves`` (one entry per move; applying them to the old
+        plan gives the new one, see :func:`apply_moves`), ``num_moves``, ``moe_lb`` and
+        ``previous_moe_lb`` per layer, ``regrouped``. Per layer, ``moe_lb <=
+        previous_moe_lb``, ``num_moves <= max_moves`` and the sum is at most
+        ``max_moves_total``.
+
+    Raises
+    ------
+    TypeError
+        Non-numeric arrays or non-integer sizes or budgets.
+    ValueError
+        Everything :func:`lbkit.eplb.rebalance_experts` rejects; ``previous_phy2log`` of the
+        wrong shape, naming unknown experts, missing an expert or (hierarchical) splitting a
+        group across nodes; negative budgets or tolerances.
+
+    Runtime complexity: O(layers × (lower bound + U × (P log P + P × G))) for ``U`` unpin
+    steps (at most one per slot, typically a few per GPU above target) and a pool of ``P``
+    released replicas; with ``max_moves_total`` about ``log1.5(moves)`` times that.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from lbkit.eplb import rebalance_experts, synthetic_expert_load, drift
+    >>> w = synthetic_expert_load(4, 64, rng=0)
+    >>> old = rebalance_experts(w, 80, 8, 2, 16, policy="global")
+    >>> new_w = drift(w, sigma=0.1, rng=1)
+    >>> r = replan_experts(new_w, old.phy2log, 80, 8, 2, 16, policy="global")
+    >>> bool((r.moe_lb <= r.previous_moe_lb).all()), int(r.num_moves.sum()) < 4 * 80 // 4
+    (True, True)
+    >>> bool(np.array_equal(apply_moves(old.phy2log, r.moves), r.plan.phy2log))
+    True
+    """
+    args = _replan_iv(
+        weight,
+        previous_phy2log,
+        num_replicas,
+        num_groups,
+        num_nodes,
+        num_gpus,
+        policy,
+        max_moves,
+        max_moves_total,
+        tolerance,
+        regroup_tolerance,
+    )
+    p = args.problem
+    if args.total is None:
+        phy2log, moves, regrouped = _replan_all(args, args.budget)
+    else:
+        phy2log, moves, regrouped = _replan_total(args)
+    logcnt = np.zeros_like(p.weight, dtype=np.int64)
+    layers, slots = phy2log.shape
+    np.add.at(logcnt, (np.repeat(np.arange(layers), slots), phy2log.ravel()), 1)
+    plan = _finish_plan(p, phy2log, logcnt)
+    return ReplanResult(
+        plan,
+        _moves_list(args.previous, phy2log, p.num_gpus, args.num_nodes),
+        moves,
+        moe_lb(p.weight, phy2log, num_gpus=p.num_gpus),
+        moe_lb(p.weight, args.previous, num_gpus=p.num_gpus),
+        regrouped,
+    )
+
+
+def apply_moves(previous_phy2log: Any, moves: ExpertMoves, /) -> np.ndarray:
+    """Apply a move list to the old ``phy2log`` (a transfer engine's job, for checking).
+
+    Raises ``ValueError`` when a move's ``old_expert`` is not what the slot holds.
+
+    Examples
+    --------
+    >>> moves = ExpertMoves(*(np.array([v]) for v in (0, 1, 2, 0, 1, 0)))
+    >>> apply_moves([[0, 1, 1, 1]], moves)
+    array([[0, 1, 0, 1]])
+    """
+    out = as_int_array(previous_phy2log, "previous_phy2log", ndim=2).copy()
+    if len(moves.layer) and (out[moves.layer, moves.slot] != moves.old_expert).any():
+        raise ValueError("moves: old_expert must be what previous_phy2log holds in the slot")
+    out[moves.layer, moves.slot] = moves.new_expert
+    return out
+
+
+def replan_tradeoff(
+    weight: Any,
+    previous_phy2log: Any,
+    num_replicas: int,
+    num_groups: int,
+    num_nodes: int,
+    num_gpus: int,
+    /,
+    *,
+    fractions: Any = (0.0, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0),
+    policy: str | None = None,
+    tolerance: float = DEFAULT_TOLERANCE,
+    regroup_tolerance: float = DEFAULT_REGROUP_TOLERANCE,
+) -> ReplanTradeoff:
+    """Moves against balance: :func:`replan_experts` at total budgets of ``fractions`` of all
+    replicas (``layers × num_replicas``).
+
+    Runtime complexity: ``len(fractions)`` calls of :func:`replan_experts` with a total budget.
+
+    Examples
+    --------
+    >>> from lbkit.eplb import rebalance_experts, synthetic_expert_load, drift
+    >>> w = synthetic_expert_load(4, 64, rng=0)
+    >>> old = rebalance_experts(w, 80, 8, 2, 16, policy="global").phy2log
+    >>> t = replan_tradeoff(drift(w, sigma=0.3, rng=1), old, 80, 8, 2, 16, policy="global",
+    ...                     fractions=(0.0, 0.05, 1.0))
+    >>> int(t.num_moves[0]), bool(t.mean_moe_lb[2] <= t.mean_moe_lb[0])
+    (0, True)
+    """
+    rows = []
+    layers = np.shape(previous_phy2log)[0] if np.ndim(previous_phy2log) == 2 else 0
+    fr = np.asarray(fractions, dtype=np.float64)
+    if fr.ndim != 1 or len(fr) == 0 or (fr < 0).any() or not np.isfinite(fr).all():
+        raise ValueError("fractions: must be a non-empty 1-D sequence of non-negative numbers")
+    for f in fr.tolist():
+        total = math.floor(f * layers * int(num_replicas))
+        r = replan_experts(
+            weight,
+            previous_phy2log,
+            num_replicas,
+            num_groups,
+            num_nodes,
+            num_gpus,
+            policy=policy,
+            max_moves_total=total,
+            tolerance=tolerance,
+            regroup_tolerance=regroup_tolerance,
+        )
+        rows.append((total, int(r.num_moves.sum()), float(r.moe_lb.mean()), float(r.moe_lb.max())))
+    cols = list(zip(*rows, strict=True))
+    return ReplanTradeoff(
+        np.array(cols[0], dtype=np.int64),
+        np.array(cols[1], dtype=np.int64),
+        np.array(cols[2]),
+        np.array(cols[3]),
+    )
