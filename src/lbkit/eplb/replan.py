@@ -9,9 +9,11 @@ in the old one, counted with multiplicity per ``(layer, GPU, expert)``:
 The position of a replica among a GPU's slots is free: unchanged replicas keep their slots.
 
 Per sub-problem (a layer under the global policy, a node of a layer under the hierarchical one)
-with a target largest GPU load ``T = (1 + tolerance) * bound`` (``bound`` from
-:func:`lbkit.eplb.lower_bound` of the sub-problem's new loads; hierarchical: the largest node
-bound of the layer, so that lighter nodes stop earlier):
+with a target largest GPU load ``T = (1 + tolerance) * max(bound, fresh)`` (``bound`` from
+:func:`lbkit.eplb.lower_bound` of the sub-problem's new loads, hierarchical: the largest node
+bound of the layer, so that lighter nodes stop earlier; ``fresh`` the largest GPU load of the
+default method's fresh plan for the layer). A layer whose old plan is already within
+``tolerance`` of the fresh plan's ``moe_lb`` is kept as it is (zero drift moves nothing):
 
 1. **Counts** stay as they were unless a replica is too large for any GPU holding it to reach
    ``T``; then that expert gains a replica from the expert that loses least.
@@ -53,6 +55,7 @@ from lbkit.core.validation import as_int_array, check_int, check_real
 from lbkit.eplb import _replan_kernels
 from lbkit.eplb._plan import EplbPlan, Problem, _finish_plan, _rebalance_iv
 from lbkit.eplb.bounds import lower_bound, moe_lb
+from lbkit.eplb.rebalance import rebalance_experts
 
 __all__ = [
     "DEFAULT_REGROUP_TOLERANCE",
@@ -320,6 +323,7 @@ def _replan_layer(
     prev: np.ndarray,
     node_of_group: np.ndarray | None,
     node_bound: np.ndarray,
+    fresh_max: float,
     args: _Replan,
     budget: int,
 ) -> tuple[np.ndarray, int]:
@@ -333,7 +337,7 @@ def _replan_layer(
     g_per_node = p.num_gpus // nodes
     per_gpu = slots // p.num_gpus
     phy_per_node = slots // nodes
-    target = float(node_bound.max()) * (1.0 + args.tolerance)
+    target = max(float(node_bound.max()), fresh_max) * (1.0 + args.tolerance)
     group_size = experts // (1 if node_of_group is None else args.num_groups)
     new = np.empty(slots, dtype=np.int64)
     jobs = []
@@ -404,20 +408,41 @@ def _replan_all(args: _Replan, budgets: np.ndarray) -> tuple[np.ndarray, np.ndar
                 for i in range(layers)
             ]
         )
+    policy = "hierarchical" if p.hierarchical else "global"
+    fresh = rebalance_experts(
+        w, p.num_replicas, args.num_groups, args.num_nodes, p.num_gpus, policy=policy
+    )
+    fresh_lb = moe_lb(w, fresh.phy2log, num_gpus=p.num_gpus)
+    fresh_max = fresh_lb * w.sum(axis=1) / p.num_gpus
+    stale_lb = moe_lb(w, prev, num_gpus=p.num_gpus)
     bounds = _node_bounds(w, partitions, args)
     old_bounds = _node_bounds(w, old_parts, args) if p.hierarchical else bounds
     phy2log = prev.copy()
     moves = np.zeros(layers, dtype=np.int64)
     regrouped = np.zeros(layers, dtype=bool)
     for layer in range(layers):
+        if stale_lb[layer] <= fresh_lb[layer] * (1.0 + args.tolerance):
+            continue  # the old plan is as good as a fresh one: nothing to move
         part = None if partitions is None else partitions[layer]
         row, used = _replan_layer(
-            w[layer], prev[layer], part, bounds[layer], args, int(budgets[layer])
+            w[layer],
+            prev[layer],
+            part,
+            bounds[layer],
+            fresh_max[layer],
+            args,
+            int(budgets[layer]),
         )
         if used > budgets[layer] and part is not None:
             part = old_parts[layer]
             row, used = _replan_layer(
-                w[layer], prev[layer], part, old_bounds[layer], args, int(budgets[layer])
+                w[layer],
+                prev[layer],
+                part,
+                old_bounds[layer],
+                fresh_max[layer],
+                args,
+                int(budgets[layer]),
             )
         if used > budgets[layer]:
             row, used = prev[layer].copy(), 0

@@ -1,0 +1,176 @@
+"""replan_experts: valid placements, moves counted by brute force, never worse than keeping the
+old plan, budgets respected, zero drift moves nothing, the move list rebuilds the plan, bad
+input named, JIT parity."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lbkit.eplb import _replan_kernels, check_placement, drift, moe_lb, rebalance_experts
+from lbkit.eplb.replan import apply_moves, replan_experts, replan_tradeoff
+
+from .strategies import instances
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _warm():
+    _replan_kernels.warmup()
+
+
+def brute_moves(old, new, num_gpus):
+    """Moves per layer: replicas a GPU holds in ``new`` beyond what it held in ``old``."""
+    out = []
+    for o, n in zip(np.asarray(old), np.asarray(new), strict=True):
+        total = 0
+        for go, gn in zip(np.split(o, num_gpus), np.split(n, num_gpus), strict=True):
+            for e in set(gn.tolist()):
+                total += max(0, gn.tolist().count(e) - go.tolist().count(e))
+        out.append(total)
+    return np.array(out)
+
+
+@st.composite
+def replan_cases(draw):
+    weight, r, k, n, g, policy = draw(instances())
+    sigma = draw(st.sampled_from([0.0, 0.05, 0.3, 1.0]))
+    seed = draw(st.integers(0, 2**16))
+    old = rebalance_experts(weight, r, k, n, g, policy=policy).phy2log
+    new_w = drift(weight, sigma=sigma, rng=seed)
+    return new_w, old, r, k, n, g, policy
+
+
+@given(replan_cases(), st.sampled_from([None, 0, 1, 3]))
+def test_replan_is_valid_counts_moves_and_never_worse(case, budget):
+    w, old, r, k, n, g, policy = case
+    res = replan_experts(w, old, r, k, n, g, policy=policy, max_moves=budget)
+    check_placement(*res.plan, num_experts=w.shape[1], num_gpus=g, num_groups=k,
+                    num_nodes=n, policy=policy)  # fmt: skip
+    assert np.array_equal(res.num_moves, brute_moves(old, res.plan.phy2log, g))
+    assert (res.moe_lb <= res.previous_moe_lb + 1e-12).all()
+    assert np.allclose(res.previous_moe_lb, moe_lb(w, old, num_gpus=g))
+    assert np.allclose(res.moe_lb, moe_lb(w, res.plan.phy2log, num_gpus=g))
+    if budget is not None:
+        assert (res.num_moves <= budget).all()
+    assert len(res.moves.slot) == res.num_moves.sum()
+    assert np.array_equal(apply_moves(old, res.moves), res.plan.phy2log)
+    per = r // g
+    assert np.array_equal(res.moves.gpu, res.moves.slot // per)
+    src = res.moves.source_gpu
+    for lay, e, s in zip(res.moves.layer, res.moves.new_expert, src, strict=True):
+        assert s >= 0 and e in old[lay, s * per : (s + 1) * per]
+
+
+@given(replan_cases(), st.integers(0, 12))
+def test_total_budget_respected(case, total):
+    w, old, r, k, n, g, policy = case
+    res = replan_experts(w, old, r, k, n, g, policy=policy, max_moves_total=total)
+    assert res.num_moves.sum() <= total
+    assert (res.moe_lb <= res.previous_moe_lb + 1e-12).all()
+
+
+@given(instances())
+def test_zero_drift_moves_nothing(inst):
+    w, r, k, n, g, policy = inst
+    old = rebalance_experts(w, r, k, n, g, policy=policy).phy2log
+    res = replan_experts(w, old, r, k, n, g, policy=policy)
+    assert res.num_moves.sum() == 0
+    assert np.array_equal(res.plan.phy2log, old)
+
+
+def test_deepseek_shape_drift_moves_few_and_balances():
+    rng = np.random.default_rng(0)
+    w = rng.lognormal(0, 1.0, (4, 256)) * 1000
+    old = rebalance_experts(w, 288, 8, 4, 32, policy="global").phy2log
+    w2 = drift(w, sigma=0.1, rng=1)
+    res = replan_experts(w2, old, 288, 8, 4, 32, policy="global")
+    fresh = rebalance_experts(w2, 288, 8, 4, 32, policy="global")
+    fresh_lb = moe_lb(w2, fresh.phy2log, num_gpus=32)
+    assert res.moe_lb.mean() <= fresh_lb.mean() * 1.01
+    assert res.num_moves.sum() < 0.25 * brute_moves(old, fresh.phy2log, 32).sum()
+
+
+def test_budget_trades_moves_for_balance():
+    rng = np.random.default_rng(1)
+    w = rng.lognormal(0, 1.0, (3, 64)) * 1000
+    old = rebalance_experts(w, 80, 8, 2, 16, policy="global").phy2log
+    t = replan_tradeoff(drift(w, sigma=0.3, rng=2), old, 80, 8, 2, 16, policy="global",
+                        fractions=(0.0, 0.02, 0.05, 0.1, 1.0))  # fmt: skip
+    assert t.num_moves[0] == 0
+    assert (t.num_moves <= t.max_moves_total).all()
+    assert t.mean_moe_lb[-1] < t.mean_moe_lb[0]
+    assert t.mean_moe_lb[-1] <= t.mean_moe_lb[1] + 1e-12
+
+
+def test_hierarchical_keeps_groups_unless_much_better():
+    rng = np.random.default_rng(3)
+    w = rng.lognormal(0, 1.0, (2, 64)) * 1000
+    old = rebalance_experts(w, 80, 8, 4, 16, policy="hierarchical").phy2log
+    res = replan_experts(w * 1.5, old, 80, 8, 4, 16, policy="hierarchical")
+    assert not res.regrouped.any() and res.num_moves.sum() == 0
+    # Swap the loads of two groups on different nodes: the node balance needs a regroup.
+    res2 = replan_experts(w, old, 80, 8, 4, 16, policy="hierarchical", regroup_tolerance=1e9)
+    assert not res2.regrouped.any()
+
+
+def test_torch_in_torch_out():
+    torch = pytest.importorskip("torch")
+    w = np.random.default_rng(0).lognormal(0, 1, (2, 16)) * 100
+    old = rebalance_experts(w, 20, 4, 1, 4).phy2log
+    res = replan_experts(torch.tensor(w), old, 20, 4, 1, 4)
+    assert isinstance(res.plan.phy2log, torch.Tensor)
+
+
+W = np.arange(1.0, 17.0).reshape(2, 8)
+OLD = rebalance_experts(W, 8, 1, 1, 4).phy2log
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"previous_phy2log": OLD[:1]}, ValueError, r"previous_phy2log: must have shape"),
+        ({"previous_phy2log": np.where(OLD == 0, 9, OLD)}, ValueError, "name experts in"),
+        ({"previous_phy2log": np.where(OLD == 0, 1, OLD)}, ValueError, "every expert needs"),
+        ({"previous_phy2log": OLD + 0.5}, ValueError, "must hold integers"),
+        ({"max_moves": -1}, ValueError, "max_moves: must be >= 0"),
+        ({"max_moves": [1, -1]}, ValueError, "max_moves: entries must be >= 0"),
+        ({"max_moves": [1, 2, 3]}, ValueError, "max_moves: must have shape"),
+        ({"max_moves_total": -2}, ValueError, "max_moves_total: must be >= 0"),
+        ({"max_moves": 1.5}, TypeError, "max_moves: must be an integer"),
+        ({"tolerance": -0.1}, ValueError, "tolerance: must be >= 0"),
+        ({"num_gpus": 3}, ValueError, "num_gpus: must divide"),
+    ],
+)
+def test_bad_input_names_the_rule(kwargs, error, match):
+    args = {"previous_phy2log": OLD, "num_gpus": 4}
+    args.update({k: v for k, v in kwargs.items() if k in args})
+    knobs = {k: v for k, v in kwargs.items() if k not in args}
+    with pytest.raises(error, match=match):
+        replan_experts(W, args["previous_phy2log"], 8, 1, 1, args["num_gpus"], **knobs)
+
+
+def test_hierarchical_previous_plan_must_keep_groups_on_nodes():
+    w = np.ones((1, 8))
+    split = np.array([[0, 2, 4, 6, 1, 3, 5, 7]])  # every group straddles the two nodes
+    with pytest.raises(ValueError, match="keeps every group on one node"):
+        replan_experts(w, split, 8, 4, 2, 4, policy="hierarchical")
+
+
+def test_kernel_jit_parity():
+    rng = np.random.default_rng(5)
+    for _ in range(5):
+        w = rng.lognormal(0, 1, 12) * 100
+        old = rng.permutation(np.concatenate([np.arange(12), rng.integers(0, 12, 4)]))
+        old = old.reshape(4, 4).astype(np.int64)
+        a, b = np.empty_like(old), np.empty_like(old)
+        target = w.sum() / 4 * 1.001
+        ma = _replan_kernels.replan_subproblem(w, old, target, 6, 40, a)
+        mb = _replan_kernels.replan_subproblem.py_func(w, old, target, 6, 40, b)
+        assert ma == mb and np.array_equal(a, b)
+        assert (
+            _replan_kernels.count_moves(old, a, 12)
+            == _replan_kernels.count_moves.py_func(old, a, 12)
+            == brute_moves(old.reshape(1, -1), a.reshape(1, -1), 4)[0]
+        )
