@@ -77,11 +77,13 @@ DK_B, DK_S, DK_PB, DK_PS = 0, 1, 2, 3
 N_DK = 4
 DE_END, DE_READY, DE_NACT, DE_PHEAD, DE_PTAIL, DE_STEPS = 0, 1, 2, 3, 4, 5
 N_DE = 6
-D_A, D_B, D_K, D_MAX, D_RANKS, D_BIN_S = 0, 1, 2, 3, 4, 5
-N_D = 6
+D_A, D_B, D_K, D_MAX, D_RANKS, D_BIN_S, D_W0, D_W1 = 0, 1, 2, 3, 4, 5, 6, 7
+N_D = 8
 DACC_MEAN, DACC_MAX, DACC_TIME, DACC_BIMB, DACC_SIMB, DACC_STEPS, DACC_TOKENS = range(7)
 DACC_BFLOOR = 7
 N_DACC = 8
+#: ``ACC[DACC_W + DACC_*]``: the same sums over the steps that start in ``[D_W0, D_W1)``.
+DACC_W = N_DACC
 DBIN_MEAN, DBIN_MAX = 0, 1
 
 
@@ -358,18 +360,23 @@ def _decode_start(e, DI, DK, DE, ACT, D, ACC, BINS):
     start = DE[DE_READY, e]
     DE[DE_END, e] = start + longest
     mean = total / ranks
-    ACC[DACC_MEAN] += mean
-    ACC[DACC_MAX] += longest
-    ACC[DACC_TIME] += longest
-    ACC[DACC_BIMB] += longest * (bmax * ranks / btot if btot > 0 else 1.0)
-    ACC[DACC_SIMB] += longest * (smax * ranks / stot if stot > 0 else 1.0)
-    if btot > 0:
-        # Integer counts: the best possible max/mean is ceil(mean)/mean.
-        ACC[DACC_BFLOOR] += longest * (math.ceil(btot / ranks) * ranks / btot)
-    else:
-        ACC[DACC_BFLOOR] += longest
-    ACC[DACC_STEPS] += 1.0
-    ACC[DACC_TOKENS] += btot
+    bimb = bmax * ranks / btot if btot > 0 else 1.0
+    simb = smax * ranks / stot if stot > 0 else 1.0
+    # Integer counts: the best possible max/mean is ceil(mean)/mean.
+    floor = math.ceil(btot / ranks) * ranks / btot if btot > 0 else 1.0
+    o = 0
+    while True:
+        ACC[o + DACC_MEAN] += mean
+        ACC[o + DACC_MAX] += longest
+        ACC[o + DACC_TIME] += longest
+        ACC[o + DACC_BIMB] += longest * bimb
+        ACC[o + DACC_SIMB] += longest * simb
+        ACC[o + DACC_BFLOOR] += longest * floor
+        ACC[o + DACC_STEPS] += 1.0
+        ACC[o + DACC_TOKENS] += btot
+        if o > 0 or not (D[D_W0] <= start < D[D_W1]):
+            break
+        o = DACC_W
     j = np.int64(start / D[D_BIN_S])
     if j >= BINS.shape[1]:
         j = BINS.shape[1] - 1

@@ -205,6 +205,12 @@ class DecodeRun:
     bin_s : float
     bin_mean_s, bin_max_s : ndarray
     end_s : float
+    window_s : (float, float) or None
+        The measurement window of ``window_sums``.
+    window_sums : ndarray or None
+        Over the steps starting in the window, the sums above in the order of
+        ``_kernels.DACC_*``: mean and max rank time, duration, count and KV imbalance, count
+        floor, steps and tokens generated (see :func:`lbkit.sim.metrics.decode_metrics`).
     """
 
     policy: str
@@ -227,6 +233,8 @@ class DecodeRun:
     bin_mean_s: np.ndarray
     bin_max_s: np.ndarray
     end_s: float
+    window_s: tuple[float, float] | None = None
+    window_sums: np.ndarray | None = None
 
     @property
     def arrived(self) -> np.ndarray:
@@ -536,7 +544,7 @@ def _decode_table():
 
 # ------------------------------------------------------------------------ decode
 def simulate_decode(
-    prefill: PrefillRun,
+    prefill: PrefillRun | Trace,
     policy: Any,
     /,
     *,
@@ -546,6 +554,7 @@ def simulate_decode(
     max_batch: int | None = None,
     max_kv_tokens: int | None = None,
     horizon_s: float | None = None,
+    window_s: tuple[float, float] | None = None,
     rng: np.random.Generator | int | None = None,
     on_progress: Callable[[int, int], None] | None = None,
 ) -> DecodeRun:
@@ -556,7 +565,10 @@ def simulate_decode(
 
     Parameters
     ----------
-    prefill : PrefillRun
+    prefill : PrefillRun or Trace
+        A prefill run, or a trace for a *decode-only* replay: each request enters decode at its
+        arrival time (as if prefill took no time), which lets the decode pool be loaded
+        independently of a prefill pool (time-scale the trace to the load wanted).
     policy : str or policy object
         A key of :data:`lbkit.sim.policies_decode.DECODE_POLICIES` or an object with ``route``
         and ``observe`` (see :mod:`lbkit.sim.policies_decode`).
@@ -567,6 +579,9 @@ def simulate_decode(
         Per-rank capacities; a request no rank can take is refused.
     horizon_s : float, optional
         Stop at this time; default: run until every admitted request finished.
+    window_s : (float, float), optional
+        Also sum the step statistics over the steps that start in ``[start, stop)`` (e.g. the
+        steady state between ramp-up and drain); see ``DecodeRun.window_sums``.
     rng : numpy Generator, int seed or None
     on_progress : callable(done, total), optional
 
@@ -586,8 +601,8 @@ def simulate_decode(
     >>> dec.handover_s.tolist(), dec.finish_s.tolist()
     ([346.0, 346.0], [350.401, 348.3])
     """
-    if not isinstance(prefill, PrefillRun):
-        raise TypeError(f"prefill: must be a PrefillRun, got {type(prefill).__name__}")
+    if not isinstance(prefill, (PrefillRun, Trace)):
+        raise TypeError(f"prefill: must be a PrefillRun or a Trace, got {type(prefill).__name__}")
     e = check_int(num_engines, "num_engines", min_value=1)
     r = check_int(ranks_per_engine, "ranks_per_engine", min_value=1)
     if not isinstance(cost, DecodeCost):
@@ -595,12 +610,17 @@ def simulate_decode(
     mb = None if max_batch is None else check_int(max_batch, "max_batch", min_value=1)
     mk = None if max_kv_tokens is None else check_int(max_kv_tokens, "max_kv_tokens", min_value=1)
     horizon = _horizon(horizon_s)
+    window = _window_iv(window_s)
     gen = as_rng(rng)
     name, pol = _policy_of(policy, _decode_table(), "decode", e, r, cost=cost, rng=gen)
-    trace = prefill.trace
+    if isinstance(prefill, Trace):
+        trace = prefill
+        handover = np.asarray(trace.arrival_s, dtype=np.float64).copy()
+    else:
+        trace = prefill.trace
+        handover = prefill.finish_s.copy()
     n = len(trace)
     nr = e * r
-    handover = prefill.finish_s.copy()
     kv0 = trace.total_tokens
     out = trace.output_tokens
     order = np.argsort(np.where(np.isnan(handover), np.inf, handover), kind="stable")
@@ -624,11 +644,12 @@ def simulate_decode(
     stop = float(handover[order[-1]]) if order.size else 1.0
     span = max(stop - start, 1e-9)
     bin_s = 2.0 * max(stop, span) / K_BINS
+    w0, w1 = (-np.inf, -np.inf) if window is None else window
     D = np.array(
-        [cost.a, cost.b, cost.k, 1.0 if cost.combine == "max" else 0.0, r, bin_s],
+        [cost.a, cost.b, cost.k, 1.0 if cost.combine == "max" else 0.0, r, bin_s, w0, w1],
         dtype=np.float64,
     )
-    ACC = np.zeros(K.N_DACC)
+    ACC = np.zeros(2 * K.N_DACC)
     BINS = np.zeros((2, K_BINS))
     EVR = np.zeros(n + 16, dtype=np.int64)
     view = DecodeView(e, r, _readonly(DK[K.DK_B]), _readonly(DK[K.DK_S]), _readonly(steps), mb, mk)
@@ -695,4 +716,20 @@ def simulate_decode(
         bin_mean_s=BINS[0].copy(),
         bin_max_s=BINS[1].copy(),
         end_s=end,
+        window_s=window,
+        window_sums=None if window is None else ACC[K.DACC_W :].copy(),
     )
+
+
+def _window_iv(window_s: Any) -> tuple[float, float] | None:
+    if window_s is None:
+        return None
+    try:
+        w0, w1 = window_s
+    except (TypeError, ValueError):
+        raise TypeError("window_s: must be a pair (start_s, stop_s) or None") from None
+    w0 = check_real(w0, "window_s[0]", allow_inf=True)
+    w1 = check_real(w1, "window_s[1]", allow_inf=True)
+    if not w1 > w0:
+        raise ValueError(f"window_s: stop must be after start, got ({w0}, {w1})")
+    return w0, w1

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from lbkit.prefill.buckets import DEFAULT_EDGES
+from lbkit.sim import _kernels as K
 from lbkit.sim.engine import DecodeRun, PrefillRun
 from lbkit.sim.traces import bucket_labels
 
@@ -215,6 +216,22 @@ def decode_metrics(run: DecodeRun, /, *, total_tokens: np.ndarray | None = None,
             if sel.any():
                 per[label] = {"requests": int(sel.sum()), **percentiles(tpot[sel], prefix="tpot")}
         out["per_bucket"] = per
+    if run.window_sums is not None:
+        w = run.window_sums.tolist()
+        wt = w[K.DACC_TIME]
+        ws = max(w[K.DACC_STEPS], 1.0)
+        mx = w[K.DACC_MAX]
+        out["window"] = {
+            "start_s": run.window_s[0],
+            "stop_s": run.window_s[1],
+            "steps": int(w[K.DACC_STEPS]),
+            "balance_efficiency": w[K.DACC_MEAN] / mx if mx > 0 else 1.0,
+            "count_imbalance": w[K.DACC_BIMB] / wt if wt > 0 else 1.0,
+            "kv_imbalance": w[K.DACC_SIMB] / wt if wt > 0 else 1.0,
+            "count_imbalance_floor": w[K.DACC_BFLOOR] / wt if wt > 0 else 1.0,
+            "batch_per_rank_mean": w[K.DACC_TOKENS] / (ws * num_ranks),
+            "note": "the same sums over the steps that start inside the window (steady state)",
+        }
     out["reference"] = {
         "balance_efficiency": 1.0,
         "count_imbalance": run.count_floor_s / t_total if t_total > 0 else 1.0,
