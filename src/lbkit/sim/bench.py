@@ -11,14 +11,19 @@ seconds under the ``"timing"`` key.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from lbkit.core.cost import PRESETS
+import numpy as np
+
+from lbkit.core.cost import PRESETS, DecodeCost
 from lbkit.core.validation import check_choice, check_int, check_real
 from lbkit.prefill.buckets import DEFAULT_EDGES
+from lbkit.sim import _kernels as K
 from lbkit.sim._kernels import warmup as _warmup
 from lbkit.sim.engine import (
     DecodeRun,
@@ -32,7 +37,15 @@ from lbkit.sim.policies import DEFAULT_PREFILL_POLICY, PREFILL_POLICIES
 from lbkit.sim.policies_decode import DECODE_POLICIES, DEFAULT_DECODE_POLICY
 from lbkit.sim.traces import Trace, _detect_format, load_trace
 
-__all__ = ["EPLB_EXAMPLE", "BenchResult", "load_bench_trace", "run_bench"]
+__all__ = [
+    "EPLB_EXAMPLE",
+    "BenchResult",
+    "load_bench_trace",
+    "run_bench",
+    "run_decode_bench",
+    "scale_to_decode_batch",
+    "steady_window",
+]
 
 #: The EPLB example of ``lbkit bench`` (the built-in example of ``lbkit eplb``).
 EPLB_EXAMPLE = {
@@ -259,3 +272,190 @@ def run_bench(
     report["timing"] = timing
     report["defaults"] = {"prefill": DEFAULT_PREFILL_POLICY, "decode": DEFAULT_DECODE_POLICY}
     return BenchResult(report, pruns, druns)
+
+
+# ------------------------------------------------------------------------ decode-only
+def scale_to_decode_batch(
+    trace: Trace,
+    batch_per_rank: float,
+    /,
+    *,
+    num_engines: int = 1,
+    ranks_per_engine: int = 64,
+    cost: DecodeCost,
+    iterations: int = 8,
+) -> tuple[Trace, float, float]:
+    """Time-scale ``trace`` so a decode-only replay holds ``batch_per_rank`` requests per rank.
+
+    Decode pools are sized so that each rank runs a batch of tens of requests; a prefill pool's
+    handovers rarely load a decode engine that much. This picks the arrival time-scale of a
+    decode-only replay (:func:`~lbkit.sim.engine.simulate_decode` of a trace): a first guess from
+    Little's law (``batch * ranks`` requests in flight, each for ``mean(o - 1)`` steps of the
+    cost model's step time at that batch), then a bisection of ``iterations`` replays under
+    ``least_requests`` on the logarithm of the scale (the batch, measured in the steady window
+    of :func:`steady_window`, falls as arrivals stretch); the closest scale seen wins.
+
+    Returns
+    -------
+    (Trace, float, float)
+        The scaled trace (arrivals shifted to start at 0), the factor applied to the shifted
+        arrival times, and the mean batch per rank measured on the last replay.
+
+    Raises
+    ------
+    ValueError
+        ``batch_per_rank <= 0``, bad pool sizes, or a trace without two distinct arrival times
+        or without a request needing a decode step.
+
+    Examples
+    --------
+    >>> from lbkit.sim.workload import default_workload
+    >>> t, f, b = scale_to_decode_batch(default_workload(num_requests=400), 4.0,
+    ...                                 ranks_per_engine=8, cost=PRESETS["h800_dsv3"].decode)
+    >>> 3.0 < b < 5.0
+    True
+    """
+    from lbkit.sim.engine import simulate_decode
+
+    if not isinstance(trace, Trace):
+        raise TypeError(f"trace: must be a Trace, got {type(trace).__name__}")
+    target = check_real(batch_per_rank, "batch_per_rank", min_value=0.0, strict_min=True)
+    e = check_int(num_engines, "num_engines", min_value=1)
+    r = check_int(ranks_per_engine, "ranks_per_engine", min_value=1)
+    if not isinstance(cost, DecodeCost):
+        raise TypeError(f"cost: must be a DecodeCost, got {type(cost).__name__}")
+    iterations = check_int(iterations, "iterations", min_value=0)
+    arrival = np.asarray(trace.arrival_s, dtype=np.float64)
+    span = float(arrival[-1] - arrival[0]) if len(trace) else 0.0
+    steps = np.maximum(np.asarray(trace.output_tokens) - 1, 0)
+    if not span > 0 or steps.sum() == 0:
+        raise ValueError(
+            "trace: needs arrivals over a positive time span and a request with more than one "
+            "output token"
+        )
+    m = float(steps.mean())
+    kv = float(np.mean(trace.total_tokens)) + m / 2.0
+    step_s = float(cost.step_time(target, target * kv))
+    rate = target * r * e / (m * step_s)  # arrivals per second for that many in flight
+    factor = (len(trace) / rate) / span
+    shifted = arrival - arrival[0]
+    scaled = dataclasses.replace(trace, arrival_s=shifted * factor)
+
+    def batch(f: float) -> float:
+        t = dataclasses.replace(trace, arrival_s=shifted * f)
+        run = simulate_decode(
+            t, "least_requests", num_engines=e, ranks_per_engine=r, cost=cost,
+            window_s=steady_window(t),
+        )  # fmt: skip
+        w = run.window_sums
+        return float(w[K.DACC_TOKENS] / max(w[K.DACC_STEPS] * e * r, 1.0))
+
+    # The batch falls as arrivals stretch (larger factor); bisect on log(factor) inside a
+    # bracket grown from the first guess, keeping the closest factor seen.
+    best = (abs(math.log(max(batch(factor), 1e-12) / target)), factor)
+    lo, hi = factor, factor
+    for _ in range(8):
+        if batch(lo) >= target:
+            break
+        lo /= 2.0
+    for _ in range(8):
+        if batch(hi) <= target:
+            break
+        hi *= 2.0
+    for _ in range(iterations):
+        mid = math.sqrt(lo * hi)
+        b = batch(mid)
+        best = min(best, (abs(math.log(max(b, 1e-12) / target)), mid))
+        if b > target:
+            lo = mid
+        else:
+            hi = mid
+    factor = best[1]
+    scaled = dataclasses.replace(trace, arrival_s=shifted * factor)
+    return scaled, factor, batch(factor)
+
+
+def steady_window(trace: Trace, /, *, skip: float = 0.25) -> tuple[float, float]:
+    """The arrivals' span without its first ``skip`` share: ``(t0 + skip * span, t_last)``.
+
+    Decode statistics over this window leave out the ramp-up (the pool filling) and the drain
+    after the last arrival, where batches are small and imbalance is dominated by integrality.
+
+    Examples
+    --------
+    >>> steady_window(Trace(arrival_s=[0.0, 4.0], total_tokens=[1, 1], output_tokens=[1, 1]))
+    (1.0, 4.0)
+    """
+    a = trace.arrival_s
+    t0, t1 = float(a[0]), float(a[-1])
+    return t0 + skip * (t1 - t0), t1
+
+
+def run_decode_bench(
+    trace: Trace,
+    /,
+    *,
+    batch_per_rank: float = 32.0,
+    seed: int = 0,
+    decode_engines: int = 1,
+    decode_ranks: int = 64,
+    decode_policies: Sequence[str] | None = None,
+    cost: str = "h800_dsv3",
+) -> dict[str, Any]:
+    """Decode-only replay of ``trace`` loaded to ``batch_per_rank``, through every decode policy.
+
+    Each request enters decode at its (time-scaled, see :func:`scale_to_decode_batch`) arrival,
+    so the decode pool runs at a realistic batch whatever the prefill pool would deliver.
+
+    Returns
+    -------
+    dict
+        ``{"workload": {...}, "decode": {POLICY: decode metrics}, "timing": {...}}``.
+
+    Examples
+    --------
+    >>> from lbkit.sim.workload import default_workload
+    >>> rep = run_decode_bench(default_workload(num_requests=300), batch_per_rank=4.0,
+    ...                        decode_ranks=8, decode_policies=["round_robin", "lbkit"])
+    >>> list(rep["decode"]), rep["decode"]["lbkit"]["finished"] > 0
+    (['round_robin', 'lbkit'], True)
+    """
+    from lbkit.sim.engine import simulate_decode
+
+    seed = check_int(seed, "seed", min_value=0)
+    de = check_int(decode_engines, "decode_engines", min_value=1)
+    dr = check_int(decode_ranks, "decode_ranks", min_value=1)
+    dnames = _names(decode_policies, DECODE_POLICIES, "decode")
+    check_choice(cost, "cost", tuple(PRESETS))
+    dcost = PRESETS[cost].decode
+    _warmup()
+    start = time.perf_counter()
+    scaled, factor, measured = scale_to_decode_batch(
+        trace, batch_per_rank, num_engines=de, ranks_per_engine=dr, cost=dcost
+    )
+    report: dict[str, Any] = {
+        "workload": {
+            "source": trace.source,
+            "requests": len(trace),
+            "time_scale": factor,
+            "duration_s": float(scaled.arrival_s[-1]),
+            "batch_per_rank_target": float(batch_per_rank),
+            "batch_per_rank_calibrated": measured,
+        },
+        "options": {"decode_engines": de, "decode_ranks": dr, "cost": cost, "seed": seed},
+        "decode": {},
+    }
+    timing: dict[str, Any] = {"calibration_s": time.perf_counter() - start, "decode": {}}
+    for name in dnames:
+        start = time.perf_counter()
+        run = simulate_decode(
+            scaled, name, num_engines=de, ranks_per_engine=dr, cost=dcost, rng=seed,
+            window_s=steady_window(scaled),
+        )  # fmt: skip
+        timing["decode"][name] = time.perf_counter() - start
+        report["decode"][name] = decode_metrics(run, total_tokens=scaled.total_tokens)
+    timing["requests_per_s"] = {
+        f"decode/{k}": len(trace) / v if v > 0 else None for k, v in timing["decode"].items()
+    }
+    report["timing"] = timing
+    return report
