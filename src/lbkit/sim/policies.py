@@ -26,9 +26,17 @@ What each policy uses:
 ``power_of_two``   ``view.tokens`` of two distinct uniform ranks; the fewer wins (ties: lower index)
 ``lbkit``          its own ledger: :class:`lbkit.prefill.PrefillBalancer` (length buckets, engines
                    apportioned per bucket every 30 s round, least quota load inside the bucket),
-                   fed the request's lengths at routing and the progress and completion events
+                   fed the request's lengths at routing and the progress and completion events,
+                   with the options :data:`LBKIT_OPTIONS`
 ``lbkit_nobuckets`` the same balancer with a single bucket: least quota load over the whole pool
 ============== ======================================================================
+
+:data:`LBKIT_OPTIONS` are the balancer options of both lbkit policies: a cold start (the pool
+is one group until a first re-plan after 5 s allocates engines from the demand seen), no engine
+moves while its busiest rank holds more than 30 s of work, engine-aware rank choice (a rank of an
+idle engine counts one second, one default step budget, more than its load, so requests fill the
+free ranks of engines already stepping first) and spill-over to a neighbouring bucket whose best
+rank is three times less loaded.
 
 Baselines treat the pool as one flat list of ranks; they know nothing of engines or lengths.
 """
@@ -51,6 +59,7 @@ __all__ = [
     "DEFAULT_PREFILL_POLICY",
     "EV_FINISH",
     "EV_PROGRESS",
+    "LBKIT_OPTIONS",
     "PREFILL_POLICIES",
     "LbkitPrefill",
     "LeastRequests",
@@ -59,6 +68,12 @@ __all__ = [
     "RandomRank",
     "RoundRobin",
 ]
+
+
+#: Options of :class:`~lbkit.prefill.PrefillBalancer` used by the ``lbkit`` policies.
+LBKIT_OPTIONS: Mapping[str, Any] = MappingProxyType(
+    {"cold_start_s": 5.0, "max_drain_s": 30.0, "wake_penalty_s": 1.0, "spill_ratio": 3.0}
+)
 
 
 class _Baseline:
@@ -218,24 +233,18 @@ class LbkitPrefill:
 
     def observe(self, requests: np.ndarray, kinds: np.ndarray, tokens: np.ndarray, /, *,
                 now_s: float) -> None:  # fmt: skip
-        bal = self.balancer
-        finish = bal.finish
-        chunk_done = bal.chunk_done
-        for rid, kind, tok in zip(requests.tolist(), kinds.tolist(), tokens.tolist(), strict=True):
-            if kind == EV_FINISH:
-                finish(rid, now_s=now_s)
-            else:
-                chunk_done(rid, tok, now_s=now_s)
+        self.balancer.record(requests, tokens, kinds == EV_FINISH, now_s=now_s)
 
 
 def _lbkit(num_engines: int, ranks_per_engine: int, *, cost: QuadraticCost, rng: Any = None):
-    return LbkitPrefill(num_engines, ranks_per_engine, cost=cost, rng=rng)
+    return LbkitPrefill(num_engines, ranks_per_engine, cost=cost, rng=rng, **LBKIT_OPTIONS)
 
 
 def _lbkit_nobuckets(
     num_engines: int, ranks_per_engine: int, *, cost: QuadraticCost, rng: Any = None
 ):
-    return LbkitPrefill(num_engines, ranks_per_engine, cost=cost, rng=rng, edges=None)
+    opts = {k: v for k, v in LBKIT_OPTIONS.items() if k in ("wake_penalty_s",)}
+    return LbkitPrefill(num_engines, ranks_per_engine, cost=cost, rng=rng, edges=None, **opts)
 
 
 #: Prefill policies by name: ``factory(num_engines, ranks_per_engine, *, cost, rng)`` returns a
