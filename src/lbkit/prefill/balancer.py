@@ -497,7 +497,7 @@ class PrefillBalancer:
             k = int(pick[np.argmin(vals[pick])])
         slot = lo + k
         reason = "own_bucket" if self._server[bucket] == bucket else "shared_bucket"
-        if self._spill is not None:
+        if self._spill is not None and vals[k] > 0.0:  # a zero own score never spills
             own = best = vals[k]
             for nbr in (bucket - 1, bucket + 1):
                 if not 0 <= nbr < len(self._lo) or self._server[nbr] == self._server[bucket]:
