@@ -25,6 +25,18 @@ def test_tables_and_json(tmp_path, capsys):
     assert set(report["decode"]) >= {"round_robin", "least_kv", "lbkit"}
 
 
+def test_decode_only_section(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    args = ["bench", *FAST, "--policies", "least_kv,lbkit", "--decode-batch", "3", "--json"]
+    assert main([*args, str(out)]) == 0
+    assert "Decode-only replay at about 3 requests per rank" in capsys.readouterr().out
+    rep = json.loads(out.read_text())["decode_only"]
+    assert list(rep["decode"]) == ["least_kv", "lbkit"]
+    assert rep["workload"]["batch_per_rank_target"] == 3.0
+    for m in rep["decode"].values():
+        assert m["window"]["steps"] > 0 and m["finished"] + m["refused"] == m["arrived"]
+
+
 def test_json_is_deterministic_apart_from_timing(tmp_path):
     paths = [tmp_path / "a.json", tmp_path / "b.json"]
     for p in paths:
@@ -55,6 +67,7 @@ def test_trace_file(tmp_path, capsys):
         (["--ranks-per-engine", "-1"], "--ranks-per-engine: must be >= 1"),
         (["--decode-ranks", "0"], "--decode-ranks: must be >= 1"),
         (["--policies", "fastest"], "unknown policy 'fastest'"),
+        (["--decode-batch", "0"], "--decode-batch: must be a finite number > 0"),
     ],
 )
 def test_bad_input_one_line(args, needle, capsys):
@@ -91,5 +104,5 @@ def test_help_explains_every_option(capsys):
     text = capsys.readouterr().out
     for opt in ("--trace", "--format", "--utilization", "--seed", "--prefill-engines",
                 "--ranks-per-engine", "--decode-ranks", "--policies", "--max-requests", "--json",
-                "--plot"):  # fmt: skip
+                "--plot", "--decode-batch"):  # fmt: skip
         assert opt in text

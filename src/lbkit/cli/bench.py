@@ -100,6 +100,15 @@ def add_parser(sub: Any) -> None:
         metavar="SECONDS",
         help="time budget of a prefill rank's step plan (default 1.0)",
     )
+    p.add_argument(
+        "--decode-batch",
+        type=float,
+        metavar="B",
+        help="also replay the trace straight into the decode pool (decode-only), time-scaled "
+        "so that each rank holds about B requests, and report steady-state decode balance; "
+        "decode pools run tens of requests per rank, a load the prefill pool's handovers "
+        "rarely reach",
+    )
     p.add_argument("--no-eplb", action="store_true", help="skip the EPLB comparison")
     p.add_argument(
         "--json",
@@ -155,12 +164,16 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--seed: must be >= 0, got {args.seed}")
     if not (args.budget > 0 and math.isfinite(args.budget)):
         raise ValueError(f"--budget: must be a finite number > 0, got {args.budget}")
+    if args.decode_batch is not None and not (
+        args.decode_batch > 0 and math.isfinite(args.decode_batch)
+    ):
+        raise ValueError(f"--decode-batch: must be a finite number > 0, got {args.decode_batch}")
 
 
 def run(args: argparse.Namespace) -> int:
     """Execute ``lbkit bench`` for parsed ``args``."""
     _check_args(args)
-    from lbkit.sim.bench import load_bench_trace, run_bench
+    from lbkit.sim.bench import load_bench_trace, run_bench, run_decode_bench
     from lbkit.sim.policies import PREFILL_POLICIES
     from lbkit.sim.policies_decode import DECODE_POLICIES
     from lbkit.sim.workload import default_workload
@@ -201,6 +214,17 @@ def run(args: argparse.Namespace) -> int:
             eplb=not args.no_eplb,
             progress=progress,
         )
+        if args.decode_batch is not None:
+            progress("decode-only", 0, 1)
+            res.report["decode_only"] = run_decode_bench(
+                trace,
+                batch_per_rank=args.decode_batch,
+                seed=args.seed,
+                decode_engines=args.decode_engines,
+                decode_ranks=args.decode_ranks,
+                decode_policies=dp,
+                cost=args.cost,
+            )
     finally:
         progress.close()
     wall = time.perf_counter() - start
@@ -295,6 +319,25 @@ def _print_report(r: dict[str, Any], wall: float) -> None:
                 ("refused", "refused", "n", ""),
             ],
             [("perfect", first["reference"])],
+        )
+    if "decode_only" in r:
+        d = r["decode_only"]
+        w = d["workload"]
+        rows = {k: {**m["window"], "tpot_p99_s": m["tpot_p99_s"]} for k, m in d["decode"].items()}
+        first = next(iter(rows.values()))
+        _table(
+            f"Decode-only replay at about {w['batch_per_rank_target']:g} requests per rank "
+            f"(arrivals x {w['time_scale']:.4g}; steady window: steps from "
+            f"{first['start_s']:.0f} s to {first['stop_s']:.0f} s; TPOT in ms)",
+            rows,
+            [
+                ("balance_efficiency", "balance", "r", "max"),
+                ("count_imbalance", "count imb", "r", "min"),
+                ("kv_imbalance", "KV imb", "r", "min"),
+                ("count_imbalance_floor", "count floor", "r", ""),
+                ("batch_per_rank_mean", "batch/rank", "x", ""),
+                ("tpot_p99_s", "TPOT p99", "ms", "min"),
+            ],
         )
     if "eplb" in r:
         e = r["eplb"]
