@@ -7,8 +7,15 @@ import time
 
 __all__ = ["warmup"]
 
-#: Subpackages whose ``_kernels`` module exposes a ``warmup()`` function.
-_KERNEL_PACKAGES = ("core", "prefill", "decode", "eplb", "sim")
+#: Kernel modules of each subpackage; each exposes a ``warmup()`` function.
+_KERNEL_MODULES = {
+    "core": ("_kernels",),
+    "prefill": ("_kernels",),
+    "decode": ("_kernels",),
+    "eplb": ("_kernels", "_replan_kernels"),
+    "sim": ("_kernels",),
+}
+_KERNEL_PACKAGES = tuple(_KERNEL_MODULES)
 
 
 def warmup(*, packages: tuple[str, ...] | None = None) -> dict[str, float]:
@@ -50,14 +57,18 @@ def warmup(*, packages: tuple[str, ...] | None = None) -> dict[str, float]:
         )
     spent: dict[str, float] = {}
     for name in names:
-        try:
-            module = importlib.import_module(f"lbkit.{name}._kernels")
-        except ModuleNotFoundError as exc:
-            # A subpackage without kernels (or not yet present) has nothing to compile.
-            if exc.name in (f"lbkit.{name}", f"lbkit.{name}._kernels"):
-                continue
-            raise
         start = time.perf_counter()
-        module.warmup()
-        spent[name] = time.perf_counter() - start
+        found = False
+        for kernels in _KERNEL_MODULES[name]:
+            try:
+                module = importlib.import_module(f"lbkit.{name}.{kernels}")
+            except ModuleNotFoundError as exc:
+                # A subpackage without kernels has nothing to compile.
+                if exc.name in (f"lbkit.{name}", f"lbkit.{name}.{kernels}"):
+                    continue
+                raise
+            module.warmup()
+            found = True
+        if found:
+            spent[name] = time.perf_counter() - start
     return spent
