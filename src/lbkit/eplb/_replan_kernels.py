@@ -192,6 +192,309 @@ def _replace_value(size, w, cnt, gpu_exp, load, gm, i, b):
 
 
 @jit
+def _holders(gpu_exp, num_log, start, gpus):
+    """CSR lists of the GPUs holding each expert (with multiplicity, increasing GPU)."""
+    num_gpus, slots = gpu_exp.shape
+    start[:] = 0
+    for g in range(num_gpus):
+        for i in range(slots):
+            start[gpu_exp[g, i] + 1] += 1
+    for e in range(num_log):
+        start[e + 1] += start[e]
+    fill = start[:num_log].copy()
+    for g in range(num_gpus):
+        for i in range(slots):
+            e = gpu_exp[g, i]
+            gpus[fill[e]] = g
+            fill[e] += 1
+
+
+@jit
+def _excess(x, target):
+    return x - target if x > target else 0.0
+
+
+@jit
+def _descend(w, size, cnt, hold, cur, gpu_exp, load, target, budget, moves, max_steps, cur_tmp):
+    """Lower the total excess ``sum_g max(0, load[g] - target)`` step by step (see
+    :func:`replan_subproblem`, step 3), at most ``max_steps`` steps. Updates ``cnt``, ``size``,
+    ``cur``, ``gpu_exp`` and ``load`` in place and returns the moves of the final state."""
+    num_gpus, slots = gpu_exp.shape
+    num_log = w.shape[0]
+    start = np.zeros(num_log + 1, dtype=np.int64)
+    gpus = np.empty(num_gpus * slots, dtype=np.int64)
+    dl = np.zeros(num_gpus)
+    mark = np.zeros(num_gpus, dtype=np.int64)
+    touched = np.empty(num_gpus, dtype=np.int64)
+    hot = np.zeros(num_log, dtype=np.bool_)
+    tol = _REL_TOL * target
+    stamp = 0
+    max_chain = min(num_gpus - 1, 8)
+    cg = np.empty(num_gpus, dtype=np.int64)
+    ci = np.empty(num_gpus, dtype=np.int64)
+    bcg = np.empty(num_gpus, dtype=np.int64)
+    bci = np.empty(num_gpus, dtype=np.int64)
+    bm = 0
+    for _step in range(max_steps):
+        heavy = 0
+        for g in range(num_gpus):
+            if load[g] > target + tol:
+                heavy += 1
+        if heavy == 0:
+            break
+        _holders(gpu_exp, num_log, start, gpus)
+        for e in range(num_log):
+            hot[e] = False
+            for k in range(start[e], start[e + 1]):
+                if load[gpus[k]] > target + tol:
+                    hot[e] = True
+                    break
+        best_score = 0.0
+        best_free = False
+        kind = -1
+        bh = bi = bk = bj = bb = -1
+        # Count changes: slot i of GPU h (expert a, two or more replicas) goes to expert b.
+        for h in range(num_gpus):
+            h_heavy = load[h] > target + tol
+            for i in range(slots):
+                a = gpu_exp[h, i]
+                if cnt[a] < 2:
+                    continue
+                grow = w[a] / (cnt[a] - 1) - size[a]
+                out_cost = -1 if cur[h, a] > hold[h, a] else 0
+                for b in range(num_log):
+                    if b == a or cur[h, b] > 0 or not (h_heavy or hot[b]):
+                        continue
+                    cost = out_cost + (1 if cur[h, b] >= hold[h, b] else 0)
+                    if moves + cost > budget:
+                        continue
+                    if cost > 0 and best_free:
+                        continue
+                    nb = w[b] / (cnt[b] + 1)
+                    shrink = size[b] - nb
+                    stamp += 1
+                    nt = 0
+                    for k in range(start[a], start[a + 1]):
+                        g = gpus[k]
+                        if mark[g] != stamp:
+                            mark[g] = stamp
+                            dl[g] = 0.0
+                            touched[nt] = g
+                            nt += 1
+                        dl[g] += grow
+                    for k in range(start[b], start[b + 1]):
+                        g = gpus[k]
+                        if mark[g] != stamp:
+                            mark[g] = stamp
+                            dl[g] = 0.0
+                            touched[nt] = g
+                            nt += 1
+                        dl[g] -= shrink
+                    dl[h] += nb - size[a] - grow
+                    red = 0.0
+                    for k in range(nt):
+                        g = touched[k]
+                        red += _excess(load[g], target) - _excess(load[g] + dl[g], target)
+                    if red <= tol:
+                        continue
+                    if cost <= 0:
+                        score = red
+                        if best_free and score <= best_score:
+                            continue
+                        best_free = True
+                    else:
+                        score = red / cost
+                        if score <= best_score:
+                            continue
+                    best_score = score
+                    kind = 0
+                    bh = h
+                    bi = i
+                    bb = b
+        # Swaps: a replica a of a heavy GPU h with a smaller replica b of GPU k.
+        for h in range(num_gpus):
+            if load[h] <= target + tol:
+                continue
+            for i in range(slots):
+                a = gpu_exp[h, i]
+                for k in range(num_gpus):
+                    if k == h or cur[k, a] > 0:
+                        continue
+                    for j in range(slots):
+                        b = gpu_exp[k, j]
+                        d = size[a] - size[b]
+                        if d <= tol or cur[h, b] > 0:
+                            continue
+                        red = (
+                            _excess(load[h], target)
+                            - _excess(load[h] - d, target)
+                            + _excess(load[k], target)
+                            - _excess(load[k] + d, target)
+                        )
+                        if red <= tol:
+                            continue
+                        cost = 0
+                        if cur[h, a] > hold[h, a]:
+                            cost -= 1
+                        if cur[k, a] >= hold[k, a]:
+                            cost += 1
+                        if cur[k, b] > hold[k, b]:
+                            cost -= 1
+                        if cur[h, b] >= hold[h, b]:
+                            cost += 1
+                        if moves + cost > budget:
+                            continue
+                        if cost <= 0:
+                            if best_free and red <= best_score:
+                                continue
+                            best_free = True
+                            score = red
+                        else:
+                            if best_free:
+                                continue
+                            score = red / cost
+                            if score <= best_score:
+                                continue
+                        best_score = score
+                        kind = 1
+                        bh = h
+                        bi = i
+                        bk = k
+                        bj = j
+        # Chains: heavy GPUs h_1 .. h_m each pass a replica to the previous one (h_1's goes to a
+        # light GPU k, which passes one to h_m); each heavy GPU gives a replica larger than the
+        # one it receives by at least its excess. m + 1 moves for m heavy GPUs.
+        for h1 in range(num_gpus):
+            if load[h1] <= target + tol:
+                continue
+            for i1 in range(slots):
+                a1 = gpu_exp[h1, i1]
+                stamp += 1
+                mark[h1] = stamp
+                m = 1
+                cg[0] = h1
+                ci[0] = i1
+                limit = size[a1] - (load[h1] - target)
+                while True:
+                    last = cg[m - 1]
+                    # closure: a light GPU k takes a1 and gives c (size <= limit) to `last`
+                    ck = cj = -1
+                    ck_load = 0.0
+                    for k in range(num_gpus):
+                        if mark[k] == stamp or cur[k, a1] > 0:
+                            continue
+                        room = target - load[k] - size[a1]
+                        for j in range(slots):
+                            c = gpu_exp[k, j]
+                            sc = size[c]
+                            if sc > limit + tol or -sc > room + tol or cur[last, c] > 0:
+                                continue
+                            nl = load[k] + size[a1] - sc
+                            if ck < 0 or nl < ck_load:
+                                ck = k
+                                cj = j
+                                ck_load = nl
+                    if ck >= 0 and m >= 2:
+                        cost = 0
+                        red = 0.0
+                        prev_e = gpu_exp[ck, cj]
+                        for q in range(m - 1, -1, -1):
+                            g = cg[q]
+                            e_out = gpu_exp[g, ci[q]]
+                            if cur[g, e_out] > hold[g, e_out]:
+                                cost -= 1
+                            if cur[g, prev_e] >= hold[g, prev_e]:
+                                cost += 1
+                            red += _excess(load[g], target) - _excess(
+                                load[g] - size[e_out] + size[prev_e], target
+                            )
+                            prev_e = e_out
+                        if cur[ck, a1] >= hold[ck, a1]:
+                            cost += 1
+                        c = gpu_exp[ck, cj]
+                        if cur[ck, c] > hold[ck, c]:
+                            cost -= 1
+                        red += _excess(load[ck], target) - _excess(ck_load, target)
+                        if red > tol and moves + cost <= budget:
+                            if cost <= 0:
+                                ok = not best_free or red > best_score
+                                score = red
+                            else:
+                                score = red / cost
+                                ok = not best_free and score > best_score
+                            if ok:
+                                best_free = cost <= 0
+                                best_score = score
+                                kind = 2
+                                bm = m
+                                for q in range(m):
+                                    bcg[q] = cg[q]
+                                    bci[q] = ci[q]
+                                bk = ck
+                                bj = cj
+                    if m >= max_chain:
+                        break
+                    # extend: the largest replica (size <= limit) of another heavy GPU that
+                    # `last` does not hold
+                    nh = ni = -1
+                    for g in range(num_gpus):
+                        if mark[g] == stamp or load[g] <= target + tol:
+                            continue
+                        for j in range(slots):
+                            x = gpu_exp[g, j]
+                            if size[x] > limit + tol or cur[last, x] > 0:
+                                continue
+                            if size[x] - (load[g] - target) <= tol:
+                                continue
+                            if nh < 0 or size[x] > size[gpu_exp[nh, ni]]:
+                                nh = g
+                                ni = j
+                    if nh < 0:
+                        break
+                    mark[nh] = stamp
+                    cg[m] = nh
+                    ci[m] = ni
+                    m += 1
+                    limit = size[gpu_exp[nh, ni]] - (load[nh] - target)
+        if kind < 0:
+            break
+        if kind == 2:
+            a1 = gpu_exp[bcg[0], bci[0]]
+            for q in range(bm):
+                g = bcg[q]
+                e_out = gpu_exp[g, bci[q]]
+                e_in = gpu_exp[bcg[q + 1], bci[q + 1]] if q + 1 < bm else gpu_exp[bk, bj]
+                cur[g, e_out] -= 1
+                cur[g, e_in] += 1
+                gpu_exp[g, bci[q]] = e_in
+            c = gpu_exp[bk, bj]
+            cur[bk, c] -= 1
+            cur[bk, a1] += 1
+            gpu_exp[bk, bj] = a1
+        elif kind == 0:
+            a = gpu_exp[bh, bi]
+            gpu_exp[bh, bi] = bb
+            cur[bh, a] -= 1
+            cur[bh, bb] += 1
+            cnt[a] -= 1
+            cnt[bb] += 1
+            size[a] = w[a] / cnt[a]
+            size[bb] = w[bb] / cnt[bb]
+        else:
+            a = gpu_exp[bh, bi]
+            b = gpu_exp[bk, bj]
+            gpu_exp[bh, bi] = b
+            gpu_exp[bk, bj] = a
+            cur[bh, a] -= 1
+            cur[bk, a] += 1
+            cur[bk, b] -= 1
+            cur[bh, b] += 1
+        _loads(size, gpu_exp, load)
+        moves = _moves(hold, gpu_exp, cur_tmp)
+    return moves
+
+
+@jit
 def replan_subproblem(w, old_exp, target, budget, max_steps, gpu_exp):
     """Re-plan one sub-problem from ``old_exp`` with at most ``budget`` moves.
 
@@ -203,7 +506,17 @@ def replan_subproblem(w, old_exp, target, budget, max_steps, gpu_exp):
        below the same limit); the donor gives up its replica on its most loaded GPU.
     2. **Keep, then fill**: every other old replica stays pinned in its slot; the new replicas
        fill the freed slots (:func:`_repack`).
-    3. **Local search** while the most loaded GPU ``gm`` is above ``target``: swap a replica of
+    3. **Excess descent** (:func:`_descend`) while some GPU is above ``target``: lower the
+       total excess ``sum_g max(0, load[g] - target)`` by the step of largest reduction per
+       move (free steps first, by reduction): a count change (any slot of an expert with two or
+       more replicas given to another expert, on a GPU above ``target`` or to an expert held by
+       one), a swap of a replica of a GPU above ``target`` with a smaller one elsewhere, or a
+       chain (GPUs above ``target`` ``h_1 .. h_m``, ``m >= 2``, each passing a replica to the
+       previous one, ``h_1``'s going to a light GPU that passes one to ``h_m``: about ``m + 1``
+       moves for ``m`` GPUs). A step's cost is its change in moves; steps beyond ``budget`` are
+       skipped; ties: lowest GPU, slot, expert. The result is kept if it beats the filled
+       state (lower maximum, then fewer moves).
+    4. **Local search** while the most loaded GPU ``gm`` is above ``target``: swap a replica of
        ``gm`` with a smaller one on another GPU (no GPU may get two replicas of one expert), or
        give a slot of ``gm`` held by an expert with two or more replicas to one of the four
        experts with the smallest replica after gaining one (a count change; the GPUs holding
@@ -212,7 +525,7 @@ def replan_subproblem(w, old_exp, target, budget, max_steps, gpu_exp):
        returning to a GPU that held it is free). Among free steps the largest gain wins; else
        the largest gain per move, the gain capped at ``gm``'s excess over ``target``; steps that
        would exceed ``budget`` are skipped (lowest GPU, then slot, among equals).
-    4. Stop when the maximum is at most ``target``, no step is left or ``max_steps`` were made;
+    5. Stop when the maximum is at most ``target``, no step is left or ``max_steps`` were made;
        the result is the best state seen (lowest maximum, then fewest moves).
 
     Returns the moves of the result; ``budget + 1`` (and ``old_exp`` copied) when even the
@@ -347,6 +660,28 @@ def replan_subproblem(w, old_exp, target, budget, max_steps, gpu_exp):
     for g in range(num_gpus):
         for i in range(slots):
             cur[g, gpu_exp[g, i]] += 1
+    # 3a. Excess descent from the filled state; kept if it improves on it.
+    if best_val > target + tol and moves <= budget:
+        cnt0 = cnt.copy()
+        cur0 = cur.copy()
+        moves = _descend(
+            w, size, cnt, hold, cur, gpu_exp, load, target, budget, moves, max_steps, cur_tmp
+        )
+        val = load[_argmax(load)]
+        if val < best_val * (1.0 - _REL_TOL) or (
+            val <= best_val * (1.0 + _REL_TOL) and moves < best_moves
+        ):
+            best_val = val
+            best_moves = moves
+            best_exp[:, :] = gpu_exp
+        else:
+            gpu_exp[:, :] = best_exp
+            cnt[:] = cnt0
+            cur[:, :] = cur0
+            for e in range(num_log):
+                size[e] = w[e] / cnt[e]
+            _loads(size, gpu_exp, load)
+            moves = best_moves
     for _step in range(max_steps):
         if best_val <= target + tol or moves > budget:
             break
