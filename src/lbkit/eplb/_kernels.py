@@ -26,6 +26,11 @@ __all__ = [
     "warmup",
 ]
 
+#: Sub-problems with at most this many replicas also get the exact search (:func:`exact_search`).
+EXACT_MAX_REPLICAS = 32
+#: Search nodes the exact search of one sub-problem may visit.
+EXACT_BUDGET = 400_000
+
 # Relative tolerance under which two loads count as equal (keeps local searches finite).
 _REL_TOL = 1e-12
 
@@ -591,6 +596,15 @@ def _insert_sorted(lst, n, cap, e, key, keys):
 def solve_subproblem(w, num_gpus, slots, max_evals, stop_gap, cnt, gpu_exp):
     """Choose replica counts and their packing for one sub-problem; returns the largest GPU load.
 
+    :func:`solve_subproblem_to` with no target of its own (``target = 0``).
+    """
+    return solve_subproblem_to(w, num_gpus, slots, max_evals, stop_gap, 0.0, cnt, gpu_exp)
+
+
+@jit
+def solve_subproblem_to(w, num_gpus, slots, max_evals, stop_gap, target, cnt, gpu_exp):
+    """Choose replica counts and their packing for one sub-problem; returns the largest GPU load.
+
     1. Counts: the min-max apportionment (:func:`apportion_minmax`).
     2. Packing: :func:`_lpt` then :func:`_improve_swaps`.
     3. Count search (first improvement, at most ``max_evals`` trial plans): move one replica
@@ -606,7 +620,9 @@ def solve_subproblem(w, num_gpus, slots, max_evals, stop_gap, cnt, gpu_exp):
     5. Duplicates: swaps that separate two replicas of one expert without raising the maximum.
 
     Every search stops as soon as the largest load is within a relative ``stop_gap`` of the
-    sub-problem's lower bound (:func:`subproblem_bound`): no plan can be better than the bound.
+    sub-problem's lower bound (:func:`subproblem_bound`), since no plan can be better than the
+    bound, or at most ``target``: a node whose largest GPU load is at most the largest load
+    already reached on another node of the layer cannot change the layer's balance.
     """
     num_log = w.shape[0]
     num_phy = num_gpus * slots
@@ -618,7 +634,7 @@ def solve_subproblem(w, num_gpus, slots, max_evals, stop_gap, cnt, gpu_exp):
     gpu_n = np.empty(num_gpus, dtype=np.int64)
     last = np.empty(num_gpus, dtype=np.int64)
     max_iter = 4 * num_phy
-    good_enough = subproblem_bound(w, num_gpus, slots) * (1.0 + stop_gap)
+    good_enough = max(subproblem_bound(w, num_gpus, slots) * (1.0 + stop_gap), target)
     apportion_minmax(w, num_phy, cnt)
     best = _pack(w, cnt, num_gpus, slots, size, gpu_exp, load, gpu_n, last, max_iter, good_enough)
     best_load = load.copy()
@@ -727,9 +743,223 @@ def solve_subproblem(w, num_gpus, slots, max_evals, stop_gap, cnt, gpu_exp):
     for e in range(num_log):
         size[e] = w[e] / cnt[e]
     _recompute_loads(size, gpu_exp, load)
+    best = load[_argmax(load)]
+    if num_phy <= EXACT_MAX_REPLICAS and total > 0.0:
+        # Small sub-problem: exact search for a strictly better plan, while one exists and the
+        # node budget lasts (each success lowers the cap).
+        if best > good_enough:
+            found = exact_search(
+                w,
+                num_gpus,
+                slots,
+                best * (1.0 - 1e-9),
+                False,
+                True,
+                EXACT_BUDGET,
+                trial_cnt,
+                trial_exp,
+            )
+            if found > 0:
+                for e in range(num_log):
+                    cnt[e] = trial_cnt[e]
+                    size[e] = w[e] / cnt[e]
+                gpu_exp[:, :] = trial_exp
+                _recompute_loads(size, gpu_exp, load)
+                best = load[_argmax(load)]
     if _count_duplicates(gpu_exp) > 0:
-        _repair_duplicates(size, gpu_exp, load, load[_argmax(load)])
+        _repair_duplicates(size, gpu_exp, load, best)
+    if num_phy <= EXACT_MAX_REPLICAS and _count_duplicates(gpu_exp) > 0:
+        # A duplicate-free plan no worse than this one, if the exact search finds one.
+        found = exact_search(
+            w, num_gpus, slots, best, True, False, EXACT_BUDGET, trial_cnt, trial_exp
+        )
+        if found > 0:
+            for e in range(num_log):
+                cnt[e] = trial_cnt[e]
+                size[e] = w[e] / cnt[e]
+            gpu_exp[:, :] = trial_exp
+            _recompute_loads(size, gpu_exp, load)
     return load[_argmax(load)]
+
+
+# --------------------------------------------------------------------------------------------
+# Exact search for small sub-problems: every count vector, every packing (with budgets).
+# --------------------------------------------------------------------------------------------
+
+
+@jit
+def _exact_pack(size, cnt, order, num_gpus, slots, cap, forbid_dup, budget, gpu_exp):
+    """Depth-first search for a packing of the replicas of counts ``cnt`` with every GPU load
+    at most ``cap`` (and, if ``forbid_dup``, no two replicas of one expert on a GPU).
+
+    Replicas are placed heaviest first (experts in ``order``); a replica goes to a GPU with a
+    free slot, lowest GPU first; two replicas of one expert go to non-decreasing GPUs and, of
+    several empty GPUs, only the first is tried (both are symmetries). Returns the number of
+    search nodes visited (``-1`` once ``budget`` nodes are exceeded), negated minus 2 when a
+    packing is found, which is then in ``gpu_exp``.
+    """
+    num_log = cnt.shape[0]
+    num_items = num_gpus * slots
+    item_e = np.empty(num_items, dtype=np.int64)
+    k = 0
+    for t in range(num_log):
+        e = order[t]
+        for _ in range(cnt[e]):
+            item_e[k] = e
+            k += 1
+    # suffix sums of sizes: the replicas still to place must fit in the room left
+    rest = np.zeros(num_items + 1)
+    for k in range(num_items - 1, -1, -1):
+        rest[k] = rest[k + 1] + size[item_e[k]]
+    load = np.zeros(num_gpus)
+    nfill = np.zeros(num_gpus, dtype=np.int64)
+    pos = np.full(num_items, -1, dtype=np.int64)
+    tol = _REL_TOL * cap
+    visited = 0
+    k = 0
+    while k >= 0:
+        e = item_e[k]
+        x = size[e]
+        if pos[k] >= 0:  # undo
+            g = pos[k]
+            load[g] -= x
+            nfill[g] -= 1
+        g = pos[k] + 1
+        if pos[k] < 0 and k > 0 and item_e[k - 1] == e:
+            g = pos[k - 1] + (1 if forbid_dup else 0)
+        placed = False
+        while g < num_gpus:
+            ok = nfill[g] < slots and load[g] + x <= cap + tol
+            if ok and nfill[g] == 0:
+                for h in range(g):
+                    if nfill[h] == 0:
+                        ok = False
+                        break
+            if ok and forbid_dup:
+                for i in range(nfill[g]):
+                    if gpu_exp[g, i] == e:
+                        ok = False
+                        break
+            if ok:
+                placed = True
+                break
+            g += 1
+        visited += 1
+        if visited > budget:
+            return -1
+        if not placed:
+            pos[k] = -1
+            k -= 1
+            continue
+        pos[k] = g
+        gpu_exp[g, nfill[g]] = e
+        load[g] += x
+        nfill[g] += 1
+        if k == num_items - 1:
+            return -visited - 2
+        # Prune: the room left on GPUs must hold the replicas left.
+        room = 0.0
+        for h in range(num_gpus):
+            if nfill[h] < slots:
+                room += cap + tol - load[h]
+        if room < rest[k + 1]:
+            continue  # retry this item on the next GPU
+        k += 1
+    return visited
+
+
+@jit
+def exact_search(w, num_gpus, slots, cap, forbid_dup, minimize, budget, cnt, gpu_exp):
+    """Search every count vector and packing for a plan with largest GPU load at most ``cap``
+    (relative tolerance 1e-12) and, if ``forbid_dup``, no two replicas of one expert on a GPU;
+    with ``minimize``, keep lowering the cap below each plan found (branch and bound).
+
+    Count vectors are enumerated depth first over experts in decreasing load order (stable),
+    each count from ``max(1, ceil(w_e / cap))`` upwards (and at most ``num_gpus`` with
+    ``forbid_dup``); for each, :func:`_exact_pack`. The best plan found is in ``cnt`` and
+    ``gpu_exp``. Returns ``2`` when a plan was found and the search finished (with
+    ``minimize``: the plan is optimal to a relative 1e-9), ``1`` when a plan was found but the
+    search stopped after ``budget`` search nodes, ``0`` when the search proves there is none,
+    ``-1`` when it stopped after ``budget`` nodes without a plan.
+    """
+    num_log = w.shape[0]
+    num_phy = num_gpus * slots
+    order = np.argsort(-w, kind="mergesort")
+    lo = np.empty(num_log, dtype=np.int64)
+    hi = np.empty(num_log, dtype=np.int64)
+    need = 0
+    for e in range(num_log):
+        c = 1
+        if cap > 0.0 and w[e] > 0.0:
+            c = max(1, int(np.ceil(w[e] / cap * (1.0 - 1e-12))))
+        lo[e] = c
+        need += c
+    if need > num_phy:
+        return 0
+    for e in range(num_log):
+        hi[e] = lo[e] + num_phy - need
+        if forbid_dup and hi[e] > num_gpus:
+            hi[e] = num_gpus
+        if hi[e] < lo[e]:
+            return 0
+    size = np.empty(num_log)
+    trial = np.empty(num_log, dtype=np.int64)
+    pack = np.empty_like(gpu_exp)
+    found = False
+    spent = 0
+    # Iterative enumeration: trial[order[t]] for t < depth; left = slots still to hand out.
+    t = 0
+    left = num_phy - need
+    for e in range(num_log):
+        trial[e] = lo[e] - 1
+    while t >= 0:
+        e = order[t]
+        if trial[e] >= lo[e]:
+            left += trial[e] - lo[e]
+        trial[e] += 1
+        extra = trial[e] - lo[e]
+        if trial[e] > hi[e] or extra > left or w[e] / trial[e] > cap * (1.0 + _REL_TOL):
+            if trial[e] <= hi[e] and extra <= left:  # replica too large: more replicas
+                left -= extra
+                continue
+            trial[e] = lo[e] - 1
+            t -= 1
+            continue
+        left -= extra
+        if t < num_log - 1:
+            t += 1
+            continue
+        if left != 0:
+            continue
+        for f in range(num_log):
+            size[f] = w[f] / trial[f]
+        porder = np.argsort(-size, kind="mergesort")
+        while True:
+            r = _exact_pack(
+                size, trial, porder, num_gpus, slots, cap, forbid_dup, budget - spent, pack
+            )
+            if r == -1:
+                return 1 if found else -1
+            if r >= 0:
+                spent += r
+                break
+            spent += -r - 2
+            found = True
+            top = 0.0
+            for g in range(num_gpus):
+                s = 0.0
+                for i in range(slots):
+                    s += size[pack[g, i]]
+                    gpu_exp[g, i] = pack[g, i]
+                top = max(top, s)
+            for f in range(num_log):
+                cnt[f] = trial[f]
+            if not minimize:
+                return 2
+            cap = top * (1.0 - 1e-9)
+        if spent > budget:
+            return 1 if found else -1
+    return 2 if found else 0
 
 
 @jit
@@ -814,7 +1044,14 @@ def partition_groups(group_load, num_nodes, node_budget, node_of_group):
 def default_plan(
     weight, num_phy, num_groups, num_nodes, num_gpus, max_evals, stop_gap, phy2log, logcnt
 ):
-    """Default plan for every layer (``num_groups = num_nodes = 1`` for the global policy)."""
+    """Default plan for every layer (``num_groups = num_nodes = 1`` for the global policy).
+
+    Hierarchical: groups to nodes by :func:`partition_groups`, then the nodes are solved in
+    decreasing order of their lower bound, each with the largest load reached so far on the
+    layer as its target (:func:`solve_subproblem_to`). The layer's largest load is the same as
+    if every node were solved to its own bound: a node that stops at the target stays at or
+    below the largest load of another node.
+    """
     num_layers, num_log = weight.shape
     group_size = num_log // num_groups
     slots = num_phy // num_gpus
@@ -823,8 +1060,9 @@ def default_plan(
     gpus_per_node = num_gpus // num_nodes
     group_load = np.empty(num_groups)
     node_of_group = np.empty(num_groups, dtype=np.int64)
-    w_node = np.empty(log_per_node)
-    local2log = np.empty(log_per_node, dtype=np.int64)
+    w_node = np.empty((num_nodes, log_per_node))
+    local2log = np.empty((num_nodes, log_per_node), dtype=np.int64)
+    node_bound = np.zeros(num_nodes)
     cnt = np.empty(log_per_node, dtype=np.int64)
     gpu_exp = np.empty((gpus_per_node, slots), dtype=np.int64)
     for layer in range(num_layers):
@@ -840,15 +1078,26 @@ def default_plan(
             for g in range(num_groups):
                 if node_of_group[g] == n:
                     for j in range(group_size):
-                        local2log[k] = g * group_size + j
-                        w_node[k] = w[g * group_size + j]
+                        local2log[n, k] = g * group_size + j
+                        w_node[n, k] = w[g * group_size + j]
                         k += 1
-            solve_subproblem(w_node, gpus_per_node, slots, max_evals, stop_gap, cnt, gpu_exp)
+            node_bound[n] = (
+                subproblem_bound(w_node[n], gpus_per_node, slots) if num_nodes > 1 else 0.0
+            )
+        # Nodes in decreasing order of their bound (stable); a node only needs to reach the
+        # largest load already reached on the layer (the layer's balance is its largest load).
+        reached = 0.0
+        for n in np.argsort(-node_bound, kind="mergesort"):
+            v = solve_subproblem_to(
+                w_node[n], gpus_per_node, slots, max_evals, stop_gap, reached, cnt, gpu_exp
+            )
+            reached = max(reached, v)
             for j in range(log_per_node):
-                logcnt[layer, local2log[j]] = cnt[j]
+                logcnt[layer, local2log[n, j]] = cnt[j]
             for gl in range(gpus_per_node):
                 for i in range(slots):
-                    phy2log[layer, n * phy_per_node + gl * slots + i] = local2log[gpu_exp[gl, i]]
+                    slot = n * phy_per_node + gl * slots + i
+                    phy2log[layer, slot] = local2log[n, gpu_exp[gl, i]]
 
 
 # --------------------------------------------------------------------------------------------
