@@ -495,6 +495,113 @@ def _descend(w, size, cnt, hold, cur, gpu_exp, load, target, budget, moves, max_
 
 
 @jit
+def _reclaim(w, hold, gpu_exp, cap, max_steps):
+    """Undo moves that are not needed: while some change saves a move and keeps every GPU at or
+    below ``cap``, make the one saving most (then the lowest largest load among the changed
+    GPUs; lowest GPU, slot, expert among equals). Changes: a swap of two replicas between GPUs,
+    or a count change (a slot of an expert with two or more replicas given to another expert)."""
+    num_gpus, slots = gpu_exp.shape
+    num_log = w.shape[0]
+    cnt = np.zeros(num_log, dtype=np.int64)
+    cur = np.zeros((num_gpus, num_log), dtype=np.int64)
+    for g in range(num_gpus):
+        for i in range(slots):
+            cnt[gpu_exp[g, i]] += 1
+            cur[g, gpu_exp[g, i]] += 1
+    size = np.empty(num_log)
+    load = np.empty(num_gpus)
+    start = np.zeros(num_log + 1, dtype=np.int64)
+    gpus = np.empty(num_gpus * slots, dtype=np.int64)
+    lim = cap * (1.0 + _REL_TOL)
+    for _step in range(max_steps):
+        for e in range(num_log):
+            size[e] = w[e] / cnt[e]
+        _loads(size, gpu_exp, load)
+        best_save = 0
+        best_top = 0.0
+        kind = -1
+        bh = bi = bk = bj = bb = -1
+        for h in range(num_gpus):
+            for i in range(slots):
+                a = gpu_exp[h, i]
+                out_save = 1 if cur[h, a] > hold[h, a] else 0
+                if out_save == 0:
+                    continue  # only a replica that was a move can be given back
+                for k in range(num_gpus):
+                    if k == h or cur[k, a] > 0:
+                        continue
+                    for j in range(slots):
+                        b = gpu_exp[k, j]
+                        if cur[h, b] > 0:
+                            continue
+                        save = out_save
+                        if cur[k, b] > hold[k, b]:
+                            save += 1
+                        if cur[k, a] >= hold[k, a]:
+                            save -= 1
+                        if cur[h, b] >= hold[h, b]:
+                            save -= 1
+                        if save <= 0 or save < best_save:
+                            continue
+                        lh = load[h] - size[a] + size[b]
+                        lk = load[k] - size[b] + size[a]
+                        if lh > lim or lk > lim:
+                            continue
+                        top = max(lh, lk)
+                        if save > best_save or top < best_top:
+                            best_save = save
+                            best_top = top
+                            kind = 1
+                            bh = h
+                            bi = i
+                            bk = k
+                            bj = j
+        _holders(gpu_exp, num_log, start, gpus)
+        for h in range(num_gpus):
+            for i in range(slots):
+                a = gpu_exp[h, i]
+                if cnt[a] < 2 or cur[h, a] <= hold[h, a]:
+                    continue
+                grow = w[a] / (cnt[a] - 1) - size[a]
+                for b in range(num_log):
+                    if b == a or cur[h, b] > 0 or hold[h, b] == 0:
+                        continue  # saves a move only if b returns to a GPU that held it
+                    nb = w[b] / (cnt[b] + 1)  # b's other replicas shrink: never above cap
+                    top = load[h] - size[a] + nb
+                    for q in range(start[a], start[a + 1]):
+                        g = gpus[q]
+                        if g != h:
+                            top = max(top, load[g] + grow)
+                    if top > lim:
+                        continue
+                    if 1 > best_save or top < best_top:
+                        best_save = 1
+                        best_top = top
+                        kind = 0
+                        bh = h
+                        bi = i
+                        bb = b
+        if kind < 0:
+            break
+        if kind == 0:
+            a = gpu_exp[bh, bi]
+            gpu_exp[bh, bi] = bb
+            cur[bh, a] -= 1
+            cur[bh, bb] += 1
+            cnt[a] -= 1
+            cnt[bb] += 1
+        else:
+            a = gpu_exp[bh, bi]
+            b = gpu_exp[bk, bj]
+            gpu_exp[bh, bi] = b
+            gpu_exp[bk, bj] = a
+            cur[bh, a] -= 1
+            cur[bk, a] += 1
+            cur[bk, b] -= 1
+            cur[bh, b] += 1
+
+
+@jit
 def replan_subproblem(w, old_exp, target, budget, max_steps, gpu_exp):
     """Re-plan one sub-problem from ``old_exp`` with at most ``budget`` moves.
 
@@ -809,6 +916,9 @@ def replan_subproblem(w, old_exp, target, budget, max_steps, gpu_exp):
     if best_val == np.inf:  # nothing within the budget: the caller keeps the old plan
         best_exp[:, :] = old_exp
         best_moves = budget + 1
+    if best_val < np.inf:  # 6. give back moves that are not needed
+        _reclaim(w, hold, best_exp, max(best_val, target), max_steps)
+        best_moves = _moves(hold, best_exp, cur_tmp)
     gpu_exp[:, :] = best_exp
     return best_moves
 
