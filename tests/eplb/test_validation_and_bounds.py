@@ -188,6 +188,30 @@ def test_exact_search_agrees_with_cp_sat(forbid_dup):
         assert _kernels.exact_search(w, *args, below, forbid_dup, False, 10**7, cnt, exp) == 0
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_nodes_solved_to_the_reached_load_lose_no_balance(seed):
+    """Hierarchical: stopping a node once it is at most the load reached on the layer gives a
+    largest GPU load no higher than solving every node to its own bound."""
+    rng = np.random.default_rng(seed)
+    weight = rng.lognormal(0, 1.5, (3, 64)) * 100
+    groups, nodes, gpus, slots = 8, 4, 16, 6
+    p2l = np.empty((3, gpus * slots), dtype=np.int64)
+    cnt = np.empty((3, 64), dtype=np.int64)
+    _kernels.default_plan(weight, gpus * slots, groups, nodes, gpus, 64, 5e-4, p2l, cnt)
+    ours = (weight / cnt)[np.arange(3)[:, None], p2l].reshape(3, gpus, slots).sum(axis=2)
+    for layer in range(3):
+        node_of_group = np.empty(groups, dtype=np.int64)
+        group_load = weight[layer].reshape(groups, -1).sum(axis=1)
+        _kernels.partition_groups(group_load, nodes, 2_000_000, node_of_group)
+        each = []
+        for n in range(nodes):
+            w = weight[layer].reshape(groups, -1)[node_of_group == n].ravel()
+            c = np.empty(len(w), dtype=np.int64)
+            exp = np.empty((gpus // nodes, slots), dtype=np.int64)
+            each.append(_kernels.solve_subproblem(w, gpus // nodes, slots, 64, 5e-4, c, exp))
+        assert ours[layer].max() <= max(each) * (1 + 1e-12)
+
+
 @given(inst=instances(max_layers=2))
 def test_jit_parity(inst):
     weight, r, k, n, g, policy = inst

@@ -1048,9 +1048,9 @@ def default_plan(
 
     Hierarchical: groups to nodes by :func:`partition_groups`, then the nodes are solved in
     decreasing order of their lower bound, each with the largest load reached so far on the
-    layer as its target (:func:`solve_subproblem_to`). The layer's largest load is the same as
-    if every node were solved to its own bound: a node that stops at the target stays at or
-    below the largest load of another node.
+    layer as its target (:func:`solve_subproblem_to`). The layer's largest load is no higher
+    than if every node were solved to its own bound: a node that stops at the target stays at
+    or below the largest load reached on another node, and the others run unchanged.
     """
     num_layers, num_log = weight.shape
     group_size = num_log // num_groups

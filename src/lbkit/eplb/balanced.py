@@ -11,11 +11,21 @@ Per sub-problem (a layer under the global policy; a node of a layer under the hi
 3. **Count search**: move one replica to the expert of the largest replica on the most loaded GPU
    (from the expert that loses least), or away from an expert sitting twice on it; repack and
    keep the change when the largest GPU load drops, for a few rounds.
-4. **Duplicates**: swaps that separate two replicas of one expert without raising the maximum.
+4. **Exact search** (sub-problems of at most ``EXACT_MAX_REPLICAS = 32`` replicas): a branch
+   and bound over every count vector and packing lowers the maximum to the optimum (within the
+   stop gap) unless its node budget runs out.
+5. **Duplicates**: swaps that separate two replicas of one expert without raising the maximum;
+   for sub-problems of at most 32 replicas, the exact search then looks for a duplicate-free
+   plan (other counts included) whose maximum is no higher, so a duplicate left there is one
+   that no plan of equal balance avoids (unless the search budget ran out).
+
+Every search stops once the sub-problem is within ``STOP_GAP`` of its lower bound.
 
 Hierarchical policy: groups go to nodes by an exact cardinality-constrained partition minimising
 the largest node load (branch and bound; each node holds ``num_groups / num_nodes`` groups and a
-fixed budget of ``num_replicas / num_nodes`` slots), then each node is solved as above.
+fixed budget of ``num_replicas / num_nodes`` slots), then each node is solved as above, in
+decreasing order of its lower bound; a node also stops as soon as its largest GPU load is at
+most the largest one already reached on the layer (it cannot change the layer's balance).
 
 Finally the greedy plan is computed as well and kept for any layer where its largest GPU load is
 strictly lower, so the default is never worse than greedy on any layer.
