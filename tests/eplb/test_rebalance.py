@@ -19,6 +19,7 @@ from lbkit.eplb import (
     moe_lb,
     rebalance_experts,
 )
+from lbkit.eplb.balanced import STOP_GAP
 
 from .oracle import greedy_oracle, max_gpu_load
 from .strategies import instances
@@ -189,7 +190,7 @@ def test_duplicates_only_where_no_duplicate_free_plan_is_as_good(experts, gpus, 
         opt, proven = optimal_max_load(
             w, num_gpus=gpus, slots=slots, upper_bound=ours, time_limit_s=10
         )
-        assert proven and ours <= opt * (1 + 5e-4 + 1e-9)  # the search stops within 5e-4
+        assert proven and ours <= opt * (1 + STOP_GAP + 1e-9)  # the search stops within STOP_GAP
         if _duplicates(plan.phy2log, gpus) == 0:
             continue
         value, proven = optimal_max_load(

@@ -206,3 +206,16 @@ def test_budget_per_layer_with_descent_kernel():
         assert np.array_equal(apply_moves(old, res.moves), res.plan.phy2log)
         assert (res.moe_lb <= res.previous_moe_lb + 1e-12).all()
         assert ((res.num_moves == 0) | (res.moe_lb < res.previous_moe_lb)).all()
+
+
+def test_rebalance_experts_delegates_to_replan_with_a_previous_plan():
+    from lbkit.eplb import synthetic_expert_load
+
+    old_w = synthetic_expert_load(3, 32, rng=1)
+    new_w = drift(old_w, sigma=0.1, rng=2)
+    old = rebalance_experts(old_w, 48, 4, 2, 8)
+    via_rebalance = rebalance_experts(new_w, 48, 4, 2, 8, previous_phy2log=old.phy2log, max_moves=4)
+    direct = replan_experts(new_w, old.phy2log, 48, 4, 2, 8, max_moves=4)
+    np.testing.assert_array_equal(via_rebalance.phy2log, direct.plan.phy2log)
+    with pytest.raises(ValueError, match="max_moves: applies only with previous_phy2log"):
+        rebalance_experts(new_w, 48, 4, 2, 8, max_moves=4)

@@ -21,6 +21,7 @@ from lbkit.eplb import (
     moe_lb,
     rebalance_experts,
 )
+from lbkit.eplb.balanced import STOP_GAP
 
 from .oracle import greedy_oracle
 from .strategies import instances
@@ -143,7 +144,7 @@ def test_default_near_exact_optimum_with_two_slots(seed):
 @pytest.mark.parametrize("seed", [1])
 def test_default_near_exact_optimum_with_five_slots(seed):
     """12 experts on 3 GPUs of 5 slots (the exact search's range): the default is within the
-    stop gap (5e-4) of CP-SAT's optimum, where greedy is about 2% above on average."""
+    stop gap (``STOP_GAP``) of CP-SAT's optimum, where greedy is about 2% above on average."""
     pytest.importorskip("ortools")
     from lbkit.eplb._reference import optimal_max_load
 
@@ -154,7 +155,7 @@ def test_default_near_exact_optimum_with_five_slots(seed):
         ours = moe_lb(w[None], plan.phy2log, num_gpus=3)[0] * w.sum() / 3
         opt, proven = optimal_max_load(w, num_gpus=3, slots=5, upper_bound=ours, time_limit_s=10)
         assert proven
-        assert opt * (1 - 1e-9) <= ours <= opt * (1 + 5e-4 + 1e-9)
+        assert opt * (1 - 1e-9) <= ours <= opt * (1 + STOP_GAP + 1e-9)
 
 
 @pytest.mark.parametrize("forbid_dup", [False, True])

@@ -53,9 +53,14 @@ def jit(func: F) -> F:
     if _numba is None:  # pragma: no cover
         func.py_func = func  # type: ignore[attr-defined]
         return func
+    compiled = None
     if os.environ.get("LBKIT_JIT_CACHE", "") == "1":
         try:
-            return _numba.njit(nogil=True, cache=True, fastmath=False)(func)
+            compiled = _numba.njit(nogil=True, cache=True, fastmath=False)(func)
         except RuntimeError:  # no file to cache against (e.g. a function defined in a doctest)
-            pass
-    return _numba.njit(nogil=True, cache=False, fastmath=False)(func)
+            compiled = None
+    if compiled is None:
+        compiled = _numba.njit(nogil=True, cache=False, fastmath=False)(func)
+    if not hasattr(compiled, "py_func"):  # NUMBA_DISABLE_JIT=1 returns the function itself
+        compiled.py_func = func
+    return compiled

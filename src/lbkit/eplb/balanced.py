@@ -46,8 +46,9 @@ __all__ = ["COUNT_SEARCH_EVALS", "STOP_GAP", "balanced_rebalance"]
 COUNT_SEARCH_EVALS = 64
 
 #: The searches stop once a sub-problem's largest GPU load is within this relative gap of its
-#: lower bound (``bounds.py``); no plan can do better than the bound.
-STOP_GAP = 5e-4
+#: lower bound (``bounds.py``); no plan can do better than the bound. 1e-3 rather than 5e-4 makes
+#: hierarchical plans on 8 nodes about 1.7x faster for under 0.05 points of moe_lb.
+STOP_GAP = 1e-3
 
 
 def _max_gpu_load(weight: np.ndarray, phy2log: np.ndarray, logcnt: np.ndarray, num_gpus: int):

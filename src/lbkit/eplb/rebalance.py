@@ -37,6 +37,8 @@ def rebalance_experts(
     *,
     method: str = DEFAULT_METHOD,
     policy: str | None = None,
+    previous_phy2log: Any = None,
+    max_moves: Any = None,
 ) -> EplbPlan:
     """Replicate experts into ``num_replicas`` slots and place the slots on GPUs.
 
@@ -61,6 +63,12 @@ def rebalance_experts(
         ``None`` follows DeepSeek: hierarchical when ``num_nodes`` divides ``num_groups``, else
         global. Hierarchical keeps every group, with all replicas of its experts, on one node;
         forcing it requires ``num_nodes`` to divide ``num_groups``.
+    previous_phy2log : array_like of int, shape (layers, num_replicas), optional
+        The plan in service. When given, the new plan keeps what it can of it and moves few
+        replicas (:func:`lbkit.eplb.replan_experts`, which also returns the move list and
+        offers a total budget and tolerances); ``method`` then does not apply.
+    max_moves : int or array_like of int, shape (layers,), optional
+        With ``previous_phy2log``: at most this many replica moves per layer.
 
     Returns
     -------
@@ -94,4 +102,19 @@ def rebalance_experts(
     True
     """
     check_choice(method, "method", tuple(METHODS))
+    if previous_phy2log is not None:
+        from lbkit.eplb.replan import replan_experts  # here: replan imports this module
+
+        return replan_experts(
+            weight,
+            previous_phy2log,
+            num_replicas,
+            num_groups,
+            num_nodes,
+            num_gpus,
+            policy=policy,
+            max_moves=max_moves,
+        ).plan
+    if max_moves is not None:
+        raise ValueError("max_moves: applies only with previous_phy2log (a plan to re-plan from)")
     return METHODS[method](weight, num_replicas, num_groups, num_nodes, num_gpus, policy=policy)
