@@ -112,7 +112,8 @@ def _bench_tables(data: dict[str, Any]) -> list[str]:
             elif b is base:
                 ratio = "baseline"
             else:
-                ratio = f"{s['median'] / base['stats']['median']:.2f}x"
+                r = s["median"] / base["stats"]["median"]
+                ratio = f"{r:.2f}x the time" if r >= 1 else f"{1 / r:.1f}x faster"
             lines.append(
                 f"| `{b['name']}` | {_fmt_time(s['median'])} | {_fmt_time(s['min'])} | "
                 f"{_fmt_time(s['iqr'])} | {s['rounds']} | {ratio} |"
@@ -142,7 +143,7 @@ def _tables(data: dict[str, Any]) -> list[str]:
         lines.append("| " + " | ".join(cols) + " |")
         lines.append("|" + "|".join("---" if i == 0 else "---:" for i in range(len(cols))) + "|")
         for row in table["rows"]:
-            cells = [f"{v:.4f}" if isinstance(v, float) else str(v) for v in row]
+            cells = [f"{v:.5g}" if isinstance(v, float) else str(v) for v in row]
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
     return lines
