@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from lbkit.core._jit import jit
+from lbkit.eplb._kernels import _insert_sorted
 
 __all__ = ["count_moves", "replan_subproblem", "warmup"]
 
@@ -145,25 +146,6 @@ def _repack(size, pinned, gpu_exp, pool_e, pool_home, n_pool, cap, load, order):
                 gpu_exp[best, i] = e
                 break
         load[best] += x
-
-
-@jit
-def _insert_small(lst, n, e, key, keys):
-    """Keep in ``lst[:n]`` the ``len(lst)`` experts of smallest key, in increasing key order
-    (stable: the earlier expert first among equal keys). Returns the new ``n``."""
-    cap = lst.shape[0]
-    pos = n
-    while pos > 0 and keys[pos - 1] > key:
-        pos -= 1
-    if pos >= cap:
-        return n
-    last = n if n < cap else cap - 1
-    for k in range(last, pos, -1):
-        lst[k] = lst[k - 1]
-        keys[k] = keys[k - 1]
-    lst[pos] = e
-    keys[pos] = key
-    return n + 1 if n < cap else n
 
 
 @jit
@@ -847,7 +829,7 @@ def replan_subproblem(w, old_exp, target, budget, max_steps, gpu_exp):
         nf = 0
         for e in range(num_log):
             if cur[gm, e] == 0:
-                nf = _insert_small(fill, nf, e, w[e] / (cnt[e] + 1), fkey)
+                nf = _insert_sorted(fill, nf, fill.shape[0], e, w[e] / (cnt[e] + 1), fkey)
         for i in range(slots):
             a = gpu_exp[gm, i]
             if cnt[a] < 2:
