@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from lbkit.core._jit import jit
-from lbkit.eplb._kernels import _insert_sorted
+from lbkit.eplb._kernels import _argmax, _holds, _insert_sorted
 
 __all__ = ["count_moves", "replan_subproblem", "warmup"]
 
@@ -46,23 +46,6 @@ def count_moves(old_exp, new_exp, num_experts):
             if old_exp[g, i] >= 0:
                 diff[old_exp[g, i]] = 0
     return total
-
-
-@jit
-def _argmax(x):
-    best = 0
-    for k in range(1, x.shape[0]):
-        if x[k] > x[best]:
-            best = k
-    return best
-
-
-@jit
-def _holds(gpu_exp, g, e):
-    for i in range(gpu_exp.shape[1]):
-        if gpu_exp[g, i] == e:
-            return True
-    return False
 
 
 @jit
@@ -122,7 +105,7 @@ def _repack(size, pinned, gpu_exp, pool_e, pool_home, n_pool, cap, load, order):
         x = size[e]
         best = -1
         h = pool_home[p]
-        if h >= 0 and load[h] + x <= cap and not _holds(gpu_exp, h, e):
+        if h >= 0 and load[h] + x <= cap and not _holds(gpu_exp, h, e, -1):
             for i in range(slots):
                 if gpu_exp[h, i] < 0:
                     best = h
@@ -137,7 +120,7 @@ def _repack(size, pinned, gpu_exp, pool_e, pool_home, n_pool, cap, load, order):
                         break
                 if not free:
                     continue
-                dup = _holds(gpu_exp, g, e)
+                dup = _holds(gpu_exp, g, e, -1)
                 if best < 0 or (best_dup and not dup) or (dup == best_dup and load[g] < load[best]):
                     best = g
                     best_dup = dup
