@@ -104,27 +104,11 @@ def choose(X, s, s_score, code, capscale, bhat, shat, ca, cb, ck, cmax, cursor, 
     best = -1
     p1 = np.inf
     p2 = np.inf
-    n_ok = 0
-    n_len = 0
-    n_broom = 0
-    n_kroom = 0
     for r in range(n):
-        if X[4, r] <= 0.0:
-            continue
-        n_ok += 1
         capb = X[2, r]
         caps = X[3, r]
-        if s > caps:
-            continue
-        n_len += 1
-        broom = X[0, r] + 1.0 <= capb
-        kroom = X[1, r] + s <= caps
-        if broom:
-            n_broom += 1
-        if kroom:
-            n_kroom += 1
-        if not (broom and kroom):
-            continue
+        if X[4, r] <= 0.0 or X[0, r] + 1.0 > capb or X[1, r] + s > caps:
+            continue  # out of service, or no room (see _refusal for the reason)
         b = X[rb, r]
         kv = X[rb + 1, r]
         q2 = 0.0
@@ -167,15 +151,7 @@ def choose(X, s, s_score, code, capscale, bhat, shat, ca, cb, ck, cmax, cursor, 
             p2 = q2
     if best >= 0:
         return best
-    if n_ok == 0:
-        return -1
-    if n_len == 0:
-        return -2
-    if n_broom == 0:
-        return -3
-    if n_kroom == 0:
-        return -4
-    return -5
+    return _refusal(X, s)
 
 
 @jit
