@@ -144,6 +144,29 @@ class BalancerMachine(RuleBasedStateMachine):
                 del self.model.live[rid]
                 self.model.status[rid] = "finished"
 
+    @precondition(lambda self: self.model.live)
+    @rule(data=st.data(), dt=st.floats(0, 2))
+    def reassign(self, data, dt):
+        # The engine moved a request to another of its ranks (work sharing): only a request
+        # without reported progress may move; a started one is refused and nothing changes.
+        rid = data.draw(st.sampled_from(self.live_ids()))
+        _, _, done, f = self.model.live[rid]
+        rank = data.draw(st.integers(0, RANKS - 1))
+        before = self.bal.statistics()
+        if done:
+            try:
+                self.bal.reassign(rid, rank, now_s=self.tick(dt))
+            except ValueError:
+                assert self.bal.statistics() == before
+                return
+            raise AssertionError("a started request was moved")
+        self.bal.reassign(rid, rank, now_s=self.tick(dt))
+        new = (f // RANKS) * RANKS + rank
+        self.model.live[rid][3] = new
+        if new != f:  # a moved request joins the end of its new rank's queue
+            assert self.bal.requests_on(new // RANKS, rank)[-1] == rid
+        assert self.bal.statistics().reassigned == before.reassigned + (new != f)
+
     @rule(dt=st.floats(0.5, 60))
     def end_round(self, dt):
         before = self.bal.statistics()
@@ -215,6 +238,10 @@ class BalancerMachine(RuleBasedStateMachine):
             lambda: self.bal.chunk_done("never-routed", 1, now_s=self.now),
             lambda: self.bal.record(["never-routed"], [1], [False], now_s=self.now),
             lambda: self.bal.record([], [], [True], now_s=self.now),
+            lambda: self.bal.reassign("never-routed", 0, now_s=self.now),
+            lambda: self.bal.reassign(
+                self.live_ids()[0] if self.model.live else "x", RANKS, now_s=self.now
+            ),
         ):
             try:
                 call()

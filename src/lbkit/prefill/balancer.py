@@ -170,7 +170,8 @@ class PrefillStatistics:
     (``"active"``, ``"draining"``, ``"out"``). Counters: requests ``queued`` (in the ledger,
     queued or running), ``routed`` (admitted), ``finished``, ``refused``, ``handed_back``,
     ``rerouted``; ``moves`` and ``rounds`` so far; reports ``reports_accepted`` and
-    ``reports_stale``; ledger drift ``drift_last_s`` and ``drift_max_s``.
+    ``reports_stale``; ledger drift ``drift_last_s`` and ``drift_max_s``; ``reassigned``
+    (requests moved between ranks of their engine, :meth:`PrefillBalancer.reassign`).
     """
 
     bucket_demand: tuple[float, ...]
@@ -195,6 +196,7 @@ class PrefillStatistics:
     reports_stale: int
     drift_last_s: float
     drift_max_s: float
+    reassigned: int = 0
 
 
 class _Request:
@@ -400,7 +402,7 @@ class PrefillBalancer:
         self._demand = np.zeros(nb)
         self._counts = {
             "routed": 0, "finished": 0, "refused": 0, "handed_back": 0, "rerouted": 0,
-            "moves": 0, "rounds": 0, "reports_accepted": 0, "reports_stale": 0,
+            "moves": 0, "rounds": 0, "reports_accepted": 0, "reports_stale": 0, "reassigned": 0,
         }  # fmt: skip
         self._drift_last = 0.0
         self._drift_max = 0.0
@@ -641,6 +643,54 @@ class PrefillBalancer:
             )
         self._advance(req, req.done + tokens)
         return left - tokens
+
+    def reassign(self, request_id: Hashable, rank: int, *, now_s: float) -> None:
+        """Record that an engine moved a request that has not started to another of its ranks.
+
+        Engines that share work among their ranks (an idle rank takes a sibling's queued
+        request at a step's start) report each move here, so that the ledger stays exact: the
+        request's remaining quota moves from its old rank's load to ``rank``'s, and it joins
+        the end of that rank's queue in the ledger. Moving a request to its own rank does
+        nothing.
+
+        Parameters
+        ----------
+        request_id : int or str
+        rank : int
+            The new rank, in ``[0, ranks_per_engine)``, of the same engine.
+        now_s : float
+
+        Raises
+        ------
+        KeyError
+            Unknown request id.
+        ValueError
+            A rank out of range, or a request with reported progress (a started request holds
+            its KV cache on its rank and cannot move). Nothing changes then.
+
+        Runtime complexity: O(requests on the two ranks) (their loads are re-summed exactly).
+        """
+        req = self._get(request_id)
+        if not (type(rank) is int and 0 <= rank < self._ranks):
+            rank = check_int(rank, "rank", min_value=0, max_value=self._ranks - 1)
+        if type(now_s) is not float or now_s - now_s != 0.0:
+            _time(now_s)
+        if req.done:
+            raise ValueError(
+                f"request_id: request {request_id!r} has started ({req.done} tokens prefilled) "
+                "and cannot move to another rank"
+            )
+        old = req.rank
+        new = (old // self._ranks) * self._ranks + rank
+        if new == old:
+            return
+        del self._queues[old][req.rid]
+        self._queues[new][req.rid] = req
+        req.rank = new
+        for f in (old, new):
+            queue = self._queues[f]
+            self._load[self._slot[f]] = math.fsum(q.quota for q in queue.values()) if queue else 0.0
+        self._counts["reassigned"] += 1
 
     def finish(self, request_id: Hashable, *, now_s: float) -> int:
         """Remove a request from the ledger (finished, or aborted by the caller).
@@ -1043,6 +1093,7 @@ class PrefillBalancer:
             reports_stale=c["reports_stale"],
             drift_last_s=self._drift_last,
             drift_max_s=self._drift_max,
+            reassigned=c["reassigned"],
         )
 
     def _check(self) -> None:
@@ -1185,7 +1236,7 @@ class PrefillBalancer:
             bal._queues[rank][rid] = req
         bal._round_quota = [float(x) for x in s["round_quota"]]
         bal._demand = np.asarray(s["demand"], dtype=np.float64)
-        bal._counts = dict(s["counts"])
+        bal._counts = {**bal._counts, **s["counts"]}
         bal._drift_last = float(s["drift_last_s"])
         bal._drift_max = float(s["drift_max_s"])
         bal._rng.bit_generator.state = s["rng"]

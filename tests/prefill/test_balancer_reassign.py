@@ -1,0 +1,61 @@
+"""``PrefillBalancer.reassign``: an engine moves a request that has not started between ranks."""
+
+from __future__ import annotations
+
+import pytest
+
+from lbkit.core import PRESETS
+from lbkit.prefill import PrefillBalancer
+
+COST = PRESETS["h800_dsv3"].prefill
+
+
+def _balancer():
+    bal = PrefillBalancer(2, 4, cost=COST, edges=(16384,), initial_engines=(2, 0))
+    for rid in range(3):  # ranks 0, 1, 2 of engine 0
+        bal.route(rid, 4000, 0, now_s=0.0)
+    return bal
+
+
+def test_reassign_moves_the_quota_within_the_engine():
+    bal = _balancer()
+    before = bal.rank_loads()
+    bal.reassign(0, 3, now_s=0.5)
+    after = bal.rank_loads()
+    assert after[0] == 0.0 and after[3] == pytest.approx(before[0])
+    assert after.sum() == pytest.approx(before.sum())
+    assert bal.requests_on(0, 3) == (0,) and bal.requests_on(0, 0) == ()
+    assert bal.statistics().reassigned == 1
+    # The next request sees the moved load: rank 0 is free again.
+    assert bal.route(9, 4000, 0, now_s=0.6).rank == 0
+    bal.reassign(1, 1, now_s=0.7)  # to its own rank: nothing changes, nothing counted
+    assert bal.statistics().reassigned == 1
+    bal._check()
+
+
+def test_reassign_keeps_the_request_on_its_engine_and_survives_a_state_round_trip():
+    bal = _balancer()
+    bal.reassign(2, 0, now_s=0.1)
+    assert bal.requests_on(0, 0) == (0, 2)
+    again = PrefillBalancer.from_state_dict(bal.state_dict())
+    assert again.statistics() == bal.statistics()
+    assert again.finish(2, now_s=1.0) == 4000
+    again._check()
+
+
+def test_reassign_rejects_bad_input_and_changes_nothing():
+    bal = _balancer()
+    bal.chunk_done(1, 100, now_s=0.2)
+    before = bal.statistics()
+    with pytest.raises(KeyError, match="request_id: unknown request 'nope'"):
+        bal.reassign("nope", 0, now_s=0.3)
+    with pytest.raises(ValueError, match="rank: "):
+        bal.reassign(0, 4, now_s=0.3)
+    with pytest.raises(ValueError, match="rank: "):
+        bal.reassign(0, -1, now_s=0.3)
+    with pytest.raises(ValueError, match="request_id: request 1 has started"):
+        bal.reassign(1, 0, now_s=0.3)
+    with pytest.raises(ValueError, match="now_s"):
+        bal.reassign(0, 1, now_s=float("nan"))
+    assert bal.statistics() == before
+    bal._check()
