@@ -37,6 +37,20 @@ def test_decode_only_section(tmp_path, capsys):
         assert m["window"]["steps"] > 0 and m["finished"] + m["refused"] == m["arrived"]
 
 
+def test_work_sharing_option(tmp_path):
+    out = tmp_path / "r.json"
+    args = ["bench", *FAST, "--policies", "round_robin,lbkit", "--work-sharing", "level"]
+    assert main([*args, "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["options"]["work_sharing"] == "level"
+    for m in report["prefill"].values():
+        assert m["work_sharing"] == "level" and m["finished"] == 300
+        loss = m["balance_loss"]
+        assert loss["total"] == pytest.approx(1.0 - m["balance_efficiency"])
+        assert loss["idle_ranks"] + loss["unequal_busy_ranks"] == pytest.approx(loss["total"])
+        assert sum(loss["steps_by_busy_ranks"]) == m["steps"]
+
+
 def test_json_is_deterministic_apart_from_timing(tmp_path):
     paths = [tmp_path / "a.json", tmp_path / "b.json"]
     for p in paths:
@@ -104,5 +118,5 @@ def test_help_explains_every_option(capsys):
     text = capsys.readouterr().out
     for opt in ("--trace", "--format", "--utilization", "--seed", "--prefill-engines",
                 "--ranks-per-engine", "--decode-ranks", "--policies", "--max-requests", "--json",
-                "--plot", "--decode-batch"):  # fmt: skip
+                "--plot", "--decode-batch", "--work-sharing"):  # fmt: skip
         assert opt in text

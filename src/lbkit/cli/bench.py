@@ -101,6 +101,15 @@ def add_parser(sub: Any) -> None:
         help="time budget of a prefill rank's step plan (default 1.0)",
     )
     p.add_argument(
+        "--work-sharing",
+        choices=("off", "budget", "level"),
+        default="off",
+        help="engine-side sharing of un-started prefill requests among an engine's ranks at "
+        "each step's start: off (each rank its own FIFO queue; the default), budget (idle "
+        "ranks take siblings' queued requests up to the budget) or level (the same, with the "
+        "step budget lowered to the engine's work spread evenly over its ranks)",
+    )
+    p.add_argument(
         "--decode-batch",
         type=float,
         metavar="B",
@@ -211,6 +220,7 @@ def run(args: argparse.Namespace) -> int:
             decode_policies=dp,
             cost=args.cost,
             budget_s=args.budget,
+            work_sharing=args.work_sharing,
             eplb=not args.no_eplb,
             progress=progress,
         )

@@ -17,6 +17,10 @@ An engine is *stepping* while ``EF_END < inf``. At a step's start every rank pla
 requests it scheduled and the last one's chunk; the step lasts as long as the slowest rank. At the
 step's end the chunks are applied: whole requests leave the queue (their prefill ends then),
 the last one may stay with fewer tokens left. Requests routed during a step wait for the next one.
+With work sharing (``P[P_SHARE] > 0``, :func:`_share`) the engine plans its ranks together: the
+requests that have not started are pooled and dealt to the least-loaded ranks, and those that
+change rank are reported as ``EV_MOVE`` events. ``KS`` sums the steps by their number of busy
+ranks (where balance efficiency is lost).
 
 Decode pool
 -----------
@@ -59,14 +63,18 @@ N_EF = 2
 EI_NREQ, EI_STEPS = 0, 1
 N_EI = 2
 P_A, P_B, P_K, P_Q, P_GAMMA, P_BUDGET, P_MIN_CHUNK, P_ALIGN, P_RANKS, P_REPORT = range(10)
-P_BIN_S = 10
-N_P = 11
+P_BIN_S, P_SHARE = 10, 11
+N_P = 12
 ACC_MEAN, ACC_MAX, ACC_STEPS, ACC_TOKENS, ACC_OVERRUNS, ACC_EVENTS_TOTAL = range(6)
-N_ACC = 6
+ACC_MOVES, ACC_FEW_MEAN, ACC_FEW_MAX, ACC_FEW_STEPS = 6, 7, 8, 9
+N_ACC = 10
 BIN_MEAN, BIN_MAX = 0, 1
 N_BIN = 2
+#: ``KS[KS_*, k]``: steps with ``k`` busy ranks, and their sums of mean and max rank time.
+KS_STEPS, KS_MEAN, KS_MAX = 0, 1, 2
+N_KS = 3
 
-EV_FINISH, EV_PROGRESS = 0, 1
+EV_FINISH, EV_PROGRESS, EV_MOVE = 0, 1, 2
 
 # ---------------------------------------------------------------- decode layout
 DI_RANK, DI_LEFT, DI_KV, DI_NEXT, DI_POS = 0, 1, 2, 3, 4
@@ -188,18 +196,202 @@ def _quota(P, rem, p):
 
 
 @jit
-def _start_step(e, RI, KI, KF, EF, EI, P, ACC, BINS):
+def _chunk(P, room, rem, p):
+    # The largest chunk of a request (rem tokens left after a prefix p) that fits ``room``
+    # seconds, by plan_rank's rule for one request: whole, or aligned down and >= min_chunk.
+    c = 0
+    if room > 0:
+        c = _solve(P, room, p)
+        if c > rem:
+            c = rem
+    while c > 0 and _work(P, c, p) > room:
+        c -= 1
+    if c < rem:
+        align = np.int64(P[P_ALIGN])
+        c = (c // align) * align
+        if c < np.int64(P[P_MIN_CHUNK]):
+            c = 0
+    return c
+
+
+@jit
+def _share(e, RI, KI, KF, EF, P, EVR, EVK, EVT, nev, SCR):
+    """Work sharing at a step's start: the engine's un-started requests go, earliest first, to
+    the rank with the least planned time (ties: lowest rank), whole while they fit the budget,
+    then as a partial chunk that fills the rank. Returns the new event count.
+
+    Each rank keeps its started head (planned alone, under the full budget). With
+    ``P[P_SHARE] == 2`` (level) the budget of the pooled requests is lowered to the engine's
+    work spread evenly over its ranks (each started head counted up to the budget), but not
+    below a started head's planned time. The queues are rebuilt as: started head, requests
+    scheduled this step (in order), then the rank's own unscheduled requests. A request that
+    changes rank is reported as an ``EV_MOVE`` event (tokens = new flat rank).
+    """
+    ranks = np.int64(P[P_RANKS])
+    budget = P[P_BUDGET]
+    f0 = e * ranks
+    full = np.zeros(ranks, dtype=np.bool_)
+    # 1. started heads stay (SCR[2, g], or -1); the rest is pooled (SCR[0, :m], by arrival)
+    m = 0
+    for g in range(ranks):
+        f = f0 + g
+        i = KI[KI_HEAD, f]
+        KI[KI_SCHED, f] = 0
+        KI[KI_LAST, f] = 0
+        KF[KF_TIME, f] = 0.0
+        SCR[2, g] = -1
+        full[g] = False
+        if i >= 0 and RI[RI_REM, i] < RI[RI_UNCACHED, i]:
+            SCR[2, g] = i
+            i = RI[RI_NEXT, i]
+        while i >= 0:
+            SCR[0, m] = i
+            m += 1
+            i = RI[RI_NEXT, i]
+    pool = np.sort(SCR[0, :m])
+    if P[P_SHARE] > 1.0 and m > 0:
+        # Level target: the engine's work (each rank's share at most the budget) spread
+        # evenly over its ranks.
+        work = 0.0
+        heads = 0
+        for g in range(ranks):
+            i = SCR[2, g]
+            if i >= 0:
+                heads += 1
+                work += min(P[P_A] + _quota(P, RI[RI_REM, i], RI[RI_PREFIX, i]), budget)
+        for j in range(m):
+            if work > budget * ranks:
+                break
+            i = pool[j]
+            work += _quota(P, RI[RI_REM, i], RI[RI_PREFIX, i])
+            if j < ranks - heads:
+                work += P[P_A]
+        level = work / ranks
+        if level < budget:
+            budget = level
+    for g in range(ranks):
+        i = SCR[2, g]
+        if i >= 0:
+            f = f0 + g
+            _, last, t = plan_rank_one(RI, P, i)
+            KI[KI_SCHED, f] = 1
+            KI[KI_LAST, f] = last
+            KF[KF_TIME, f] = t
+            full[g] = last < RI[RI_REM, i]  # a partial head fills the rank
+            if t > budget:
+                budget = t  # never below a started request's chunk
+    if m == 0:
+        return nev
+    # 2. assign in arrival order (SCR[1, j]: the flat rank it joins this step, or -1)
+    for j in range(m):
+        SCR[1, j] = -1
+    for j in range(m):
+        i = pool[j]
+        placed = False
+        while not placed:
+            best = -1
+            for g in range(ranks):
+                if not full[g] and (best < 0 or KF[KF_TIME, f0 + g] < KF[KF_TIME, f0 + best]):
+                    best = g
+            if best < 0:
+                break
+            f = f0 + best
+            t = KF[KF_TIME, f]
+            fixed = P[P_A] if KI[KI_SCHED, f] == 0 else 0.0
+            rem = RI[RI_REM, i]
+            p = RI[RI_PREFIX, i]
+            c = _chunk(P, budget - t - fixed, rem, p)
+            if rem > 0 and c == 0:
+                if KI[KI_SCHED, f] > 0:
+                    full[best] = True
+                    continue
+                c = np.int64(P[P_MIN_CHUNK])  # progress guarantee on an empty rank
+                if c > rem:
+                    c = rem
+            KF[KF_TIME, f] = t + fixed + _work(P, c, p)
+            KI[KI_SCHED, f] += 1
+            KI[KI_LAST, f] = c
+            SCR[1, j] = f
+            if c < rem:
+                full[best] = True
+            placed = True
+        if not placed:
+            break
+    # 3. rebuild the queues: started head, scheduled requests, own unscheduled requests
+    for g in range(ranks):
+        f = f0 + g
+        h = SCR[2, g]
+        KI[KI_HEAD, f] = h
+        KI[KI_TAIL, f] = h
+        if h >= 0:
+            RI[RI_NEXT, h] = -1
+    for j in range(m):
+        f = SCR[1, j]
+        if f >= 0:
+            i = pool[j]
+            if RI[RI_RANK, i] != f:
+                g = RI[RI_RANK, i]
+                KI[KI_NREQ, g] -= 1
+                KI[KI_TOKENS, g] -= RI[RI_REM, i]
+                KI[KI_NREQ, f] += 1
+                KI[KI_TOKENS, f] += RI[RI_REM, i]
+                RI[RI_RANK, i] = f
+                EVR[nev] = i
+                EVK[nev] = EV_MOVE
+                EVT[nev] = f
+                nev += 1
+            _append(RI, KI, f, i)
+    for j in range(m):
+        if SCR[1, j] < 0:
+            i = pool[j]
+            _append(RI, KI, RI[RI_RANK, i], i)
+    return nev
+
+
+@jit
+def _append(RI, KI, f, i):
+    RI[RI_NEXT, i] = -1
+    tail = KI[KI_TAIL, f]
+    if tail < 0:
+        KI[KI_HEAD, f] = i
+    else:
+        RI[RI_NEXT, tail] = i
+    KI[KI_TAIL, f] = i
+
+
+@jit
+def plan_rank_one(RI, P, i):
+    """:func:`plan_rank` of request ``i`` alone (its successors ignored)."""
+    nxt = RI[RI_NEXT, i]
+    RI[RI_NEXT, i] = -1
+    out = plan_rank(RI, P, i)
+    RI[RI_NEXT, i] = nxt
+    return out
+
+
+@jit
+def _start_step(e, RI, KI, KF, EF, EI, P, ACC, BINS, KS, EVR, EVK, EVT, nev, SCR):
     ranks = np.int64(P[P_RANKS])
     start = EF[EF_READY, e]
+    if P[P_SHARE] > 0.0:
+        nev0 = nev
+        nev = _share(e, RI, KI, KF, EF, P, EVR, EVK, EVT, nev, SCR)
+        ACC[ACC_MOVES] += nev - nev0
+    else:
+        for f in range(e * ranks, (e + 1) * ranks):
+            count, last, t = plan_rank(RI, P, KI[KI_HEAD, f])
+            KI[KI_SCHED, f] = count
+            KI[KI_LAST, f] = last
+            KF[KF_TIME, f] = t
     longest = 0.0
     total = 0.0
+    busy = 0
     for f in range(e * ranks, (e + 1) * ranks):
-        count, last, t = plan_rank(RI, P, KI[KI_HEAD, f])
-        KI[KI_SCHED, f] = count
-        KI[KI_LAST, f] = last
-        KF[KF_TIME, f] = t
+        t = KF[KF_TIME, f]
         KF[KF_BUSY, f] += t
         total += t
+        if t > 0.0:
+            busy += 1
         if t > longest:
             longest = t
         if t > P[P_BUDGET]:
@@ -210,11 +402,19 @@ def _start_step(e, RI, KI, KF, EF, EI, P, ACC, BINS):
     ACC[ACC_MEAN] += mean
     ACC[ACC_MAX] += longest
     ACC[ACC_STEPS] += 1.0
+    if EI[EI_NREQ, e] < ranks:
+        ACC[ACC_FEW_MEAN] += mean
+        ACC[ACC_FEW_MAX] += longest
+        ACC[ACC_FEW_STEPS] += 1.0
+    KS[KS_STEPS, busy] += 1.0
+    KS[KS_MEAN, busy] += mean
+    KS[KS_MAX, busy] += longest
     j = np.int64(start / P[P_BIN_S])
     if j >= BINS.shape[1]:
         j = BINS.shape[1] - 1
     BINS[BIN_MEAN, j] += mean
     BINS[BIN_MAX, j] += longest
+    return nev
 
 
 @jit
@@ -281,12 +481,13 @@ def prefill_admit(i, f, t, RI, KI, EF, EI, P):
 
 
 @jit
-def prefill_advance(t_until, RI, RF, KI, KF, EF, EI, P, ACC, BINS, EVR, EVK, EVT):
+def prefill_advance(t_until, RI, RF, KI, KF, EF, EI, P, ACC, BINS, KS, EVR, EVK, EVT, SCR):
     """Run every engine's steps up to ``t_until``; return (events written, finished flag).
 
     A step that ends at or before ``t_until`` is applied; a new step starts only strictly before
     ``t_until`` (requests arriving at ``t_until`` may still join it). Stops early, with flag 0,
-    when the event buffer could overflow; call again after draining it.
+    when the event buffer could overflow; call again after draining it. ``SCR`` is int64 scratch
+    space of shape (3, max(requests, ranks_per_engine)) for work sharing (``P[P_SHARE] > 0``).
     """
     nev = 0
     cap = EVR.shape[0]
@@ -303,7 +504,10 @@ def prefill_advance(t_until, RI, RF, KI, KF, EF, EI, P, ACC, BINS, EVR, EVK, EVT
                     return nev, 0
                 nev = _end_step(e, RI, RF, KI, EF, EI, P, ACC, EVR, EVK, EVT, nev)
             elif EI[EI_NREQ, e] > 0 and EF[EF_READY, e] < t_until:
-                _start_step(e, RI, KI, KF, EF, EI, P, ACC, BINS)
+                if P[P_SHARE] > 0.0 and nev + EI[EI_NREQ, e] > cap:
+                    return nev, 0
+                nev = _start_step(e, RI, KI, KF, EF, EI, P, ACC, BINS, KS, EVR, EVK, EVT, nev,
+                                  SCR)  # fmt: skip
             else:
                 break
     ACC[ACC_EVENTS_TOTAL] += nev

@@ -26,6 +26,7 @@ from lbkit.prefill.buckets import DEFAULT_EDGES
 from lbkit.sim import _kernels as K
 from lbkit.sim._kernels import warmup as _warmup
 from lbkit.sim.engine import (
+    SHARING,
     DecodeRun,
     PrefillRun,
     scale_to_utilization,
@@ -131,6 +132,7 @@ def run_bench(
     decode_policies: Sequence[str] | None = None,
     cost: str = "h800_dsv3",
     budget_s: float = 1.0,
+    work_sharing: str = "off",
     eplb: bool = False,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> BenchResult:
@@ -154,6 +156,9 @@ def run_bench(
         Cost preset (:data:`lbkit.core.PRESETS`).
     budget_s : float, default 1.0
         Prefill step budget ``tau``.
+    work_sharing : {"off", "budget", "level"}, default "off"
+        Engine-side sharing of un-started requests among an engine's ranks, for every prefill
+        policy (see :func:`~lbkit.sim.engine.simulate_prefill`).
     eplb : bool, default False
         Also plan the EPLB example with ``greedy`` and the default method.
     progress : callable(label, done, total), optional
@@ -187,6 +192,7 @@ def run_bench(
     check_choice(cost, "cost", tuple(PRESETS))
     preset = PRESETS[cost]
     budget = check_real(budget_s, "budget_s", min_value=0.0, strict_min=True)
+    sharing = check_choice(work_sharing, "work_sharing", SHARING)
     if len(trace) < 2:
         raise ValueError(f"trace: needs at least 2 requests, got {len(trace)}")
     scaled, factor = scale_to_utilization(trace, u, num_ranks=pe * rpe, cost=preset.prefill)
@@ -208,6 +214,7 @@ def run_bench(
             "decode_ranks": dr,
             "cost": cost,
             "budget_s": budget,
+            "work_sharing": sharing,
             "bucket_edges_tokens": list(DEFAULT_EDGES),
         },
         "prefill": {},
@@ -233,6 +240,7 @@ def run_bench(
             ranks_per_engine=rpe,
             cost=preset.prefill,
             budget_s=budget,
+            work_sharing=sharing,
             rng=seed,
             on_progress=cb,
         )

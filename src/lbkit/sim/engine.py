@@ -39,11 +39,12 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from lbkit.core.cost import DecodeCost, QuadraticCost
-from lbkit.core.validation import as_rng, check_int, check_real
+from lbkit.core.validation import as_rng, check_choice, check_int, check_real
 from lbkit.sim import _kernels as K
 from lbkit.sim.traces import Trace
 
 __all__ = [
+    "SHARING",
     "DecodeRun",
     "DecodeView",
     "PrefillRun",
@@ -57,6 +58,8 @@ __all__ = [
 
 #: Number of time bins of the balance-over-time series.
 NUM_BINS = 200
+#: Work-sharing modes of the prefill engines (see :func:`simulate_prefill`).
+SHARING = ("off", "budget", "level")
 
 
 class PrefillView(NamedTuple):
@@ -137,6 +140,19 @@ class PrefillRun:
         Time at which the replay stopped (last step end, or the horizon).
     num_arrived : int
         Requests that arrived before the replay stopped (the first ``num_arrived`` of the trace).
+    work_sharing : str
+        The engines' work sharing (see :func:`simulate_prefill`).
+    moves : int
+        Requests that work sharing moved to another rank of their engine.
+    busy_steps : ndarray of int64, shape (ranks_per_engine + 1,)
+        Engine steps with ``k`` busy ranks (ranks with a non-empty plan), ``k = 0..R``.
+    busy_mean_s, busy_max_s : ndarray, shape (ranks_per_engine + 1,)
+        The balance sums (mean and max rank time) over the steps with ``k`` busy ranks.
+    few_steps : int
+        Steps of an engine that held fewer requests than it has ranks (some rank must idle
+        whatever the plan, since a request runs on one rank).
+    few_mean_s, few_max_s : float
+        The balance sums over those steps.
     """
 
     policy: str
@@ -159,6 +175,14 @@ class PrefillRun:
     bin_max_s: np.ndarray
     end_s: float
     num_arrived: int
+    work_sharing: str = "off"
+    moves: int = 0
+    busy_steps: np.ndarray | None = None
+    busy_mean_s: np.ndarray | None = None
+    busy_max_s: np.ndarray | None = None
+    few_steps: int = 0
+    few_mean_s: float = 0.0
+    few_max_s: float = 0.0
 
     @property
     def refused(self) -> np.ndarray:
@@ -343,18 +367,21 @@ def _horizon(horizon_s: Any) -> float:
     return check_real(horizon_s, "horizon_s", min_value=0.0)
 
 
-def _prefill_iv(trace, num_engines, ranks_per_engine, cost, budget_s, min_chunk, align, report):
+def _prefill_iv(
+    trace, num_engines, ranks_per_engine, cost, budget_s, min_chunk, align, report, share
+):
     if not isinstance(trace, Trace):
         raise TypeError(f"trace: must be a Trace, got {type(trace).__name__}")
     e = check_int(num_engines, "num_engines", min_value=1)
     r = check_int(ranks_per_engine, "ranks_per_engine", min_value=1)
     if not isinstance(cost, QuadraticCost):
         raise TypeError(f"cost: must be a QuadraticCost, got {type(cost).__name__}")
+    share = SHARING.index(check_choice(share, "work_sharing", SHARING))
     budget = check_real(budget_s, "budget_s", min_value=0.0, strict_min=True)
     min_chunk = check_int(min_chunk, "min_chunk", min_value=1)
     align = check_int(align, "align", min_value=1)
     report = check_real(report, "report_quantum", min_value=0.0, max_value=1.0)
-    return e, r, budget, min_chunk, align, report
+    return e, r, budget, min_chunk, align, report, share
 
 
 def simulate_prefill(
@@ -369,6 +396,7 @@ def simulate_prefill(
     min_chunk: int = 1,
     align: int = 1,
     report_quantum: float = 0.02,
+    work_sharing: str = "off",
     horizon_s: float | None = None,
     rng: np.random.Generator | int | None = None,
     on_progress: Callable[[int, int], None] | None = None,
@@ -396,6 +424,17 @@ def simulate_prefill(
         fallen by at least this share of its initial quota since the last report (0: after every
         step); completions are always reported. Models engine progress reports and keeps the
         event stream short for long prompts.
+    work_sharing : {"off", "budget", "level"}, default "off"
+        Engine-side sharing of un-started requests among an engine's ranks (late binding).
+        ``"off"``: each rank plans its own FIFO queue (SPEC §2.5). ``"budget"``: at each
+        step's start the engine pools the requests of its ranks that have not started and
+        gives them, earliest first, to the rank with the least planned time (ties: lowest
+        rank; a rank keeps its started request, planned first), whole while they fit the
+        budget, then one partial chunk that fills the rank. ``"level"``: the same, with the
+        step's budget lowered to the engine's work spread evenly over its ranks (never below a
+        started request's planned chunk), so that ranks end the step together. A request that
+        changes rank is reported to the policy as an ``EV_MOVE`` event (``tokens`` = the new
+        flat rank) before the step's progress.
     horizon_s : float, optional
         Stop at this time (requests not finished by then are *in flight*). Default: run until
         every routed request is prefilled.
@@ -419,8 +458,16 @@ def simulate_prefill(
     >>> run.rank.tolist(), run.finish_s.tolist()
     ([0, 1, 0], [346.0, 346.0, 567.0])
     """
-    e, r, budget, min_chunk, align, report = _prefill_iv(
-        trace, num_engines, ranks_per_engine, cost, budget_s, min_chunk, align, report_quantum
+    e, r, budget, min_chunk, align, report, share = _prefill_iv(
+        trace,
+        num_engines,
+        ranks_per_engine,
+        cost,
+        budget_s,
+        min_chunk,
+        align,
+        report_quantum,
+        work_sharing,
     )
     horizon = _horizon(horizon_s)
     gen = as_rng(rng)
@@ -455,11 +502,14 @@ def simulate_prefill(
     # everything later).
     bin_s = max(2.0 * float(arrival[-1]), 1e-9) / K_BINS if n else 1.0
     P = np.array(
-        [cost.a, cost.b, cost.k, cost.q, cost.gamma, budget, min_chunk, align, r, report, bin_s],
+        [cost.a, cost.b, cost.k, cost.q, cost.gamma, budget, min_chunk, align, r, report, bin_s,
+         float(share)],
         dtype=np.float64,
-    )
+    )  # fmt: skip
     ACC = np.zeros(K.N_ACC)
     BINS = np.zeros((K.N_BIN, K_BINS))
+    KS = np.zeros((K.N_KS, r + 1))
+    SCR = np.zeros((3, max(n, r) if share else 1), dtype=np.int64)
     cap = n + 2 * nr + 16
     EVR = np.zeros(cap, dtype=np.int64)
     EVK = np.zeros(cap, dtype=np.int64)
@@ -476,7 +526,7 @@ def simulate_prefill(
 
     def _advance(t: float) -> None:
         while True:
-            nev, complete = advance(t, RI, RF, KI, KF, EF, EI, P, ACC, BINS, EVR, EVK, EVT)
+            nev, complete = advance(t, RI, RF, KI, KF, EF, EI, P, ACC, BINS, KS, EVR, EVK, EVT, SCR)
             if nev:
                 now = t if t < math.inf else float(EF[K.EF_READY].max())
                 observe(EVR[:nev], EVK[:nev], EVT[:nev], now_s=now)
@@ -524,6 +574,14 @@ def simulate_prefill(
         bin_max_s=BINS[K.BIN_MAX].copy(),
         end_s=end if not math.isnan(end) else 0.0,
         num_arrived=arrived,
+        work_sharing=SHARING[share],
+        moves=int(ACC[K.ACC_MOVES]),
+        busy_steps=KS[K.KS_STEPS].astype(np.int64),
+        busy_mean_s=KS[K.KS_MEAN].copy(),
+        busy_max_s=KS[K.KS_MAX].copy(),
+        few_steps=int(ACC[K.ACC_FEW_STEPS]),
+        few_mean_s=float(ACC[K.ACC_FEW_MEAN]),
+        few_max_s=float(ACC[K.ACC_FEW_MAX]),
     )
 
 

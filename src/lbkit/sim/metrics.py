@@ -90,6 +90,27 @@ def _buckets(total_tokens: np.ndarray, edges: tuple[int, ...]) -> np.ndarray:
     return np.searchsorted(np.asarray(edges), total_tokens, side="right")
 
 
+def _balance_loss(run: PrefillRun) -> dict[str, Any]:
+    """Where balance efficiency is lost: ``1 - eta`` split into idle ranks and unequal busy
+    ranks, the steps by number of busy ranks, and the steps of engines holding fewer requests
+    than ranks (which no plan can fill, since a request runs on one rank)."""
+    mx = run.step_max_s
+    if run.busy_steps is None or not mx > 0:
+        return {}
+    r = run.ranks_per_engine
+    idle = sum(run.busy_max_s[k] * (r - k) / r for k in range(r + 1)) / mx
+    return {
+        "total": 1.0 - run.step_mean_s / mx,
+        "idle_ranks": float(idle),
+        "unequal_busy_ranks": float(1.0 - run.step_mean_s / mx - idle),
+        "steps_by_busy_ranks": run.busy_steps.tolist(),
+        "step_time_share_by_busy_ranks": (run.busy_max_s / mx).tolist(),
+        "few_requests_step_time_share": run.few_max_s / mx,
+        "few_requests_balance": run.few_mean_s / run.few_max_s if run.few_max_s > 0 else 1.0,
+        "few_requests_loss": (run.few_max_s - run.few_mean_s) / mx,
+    }
+
+
 def prefill_metrics(
     run: PrefillRun,
     /,
@@ -138,6 +159,9 @@ def prefill_metrics(
         "tokens_computed": run.tokens_computed,
         "busy_utilization": float(run.rank_busy_s.sum() / (num_ranks * elapsed)),
         "end_s": run.end_s,
+        "work_sharing": run.work_sharing,
+        "moves": run.moves,
+        "balance_loss": _balance_loss(run),
     }
     sd = slowdown[np.isfinite(slowdown)]
     if sd.size:

@@ -8,8 +8,10 @@ object with two methods:
     it. ``request`` is the request's position in the trace (unique).
 ``observe(requests, kinds, tokens, /, *, now_s) -> None``
     Events since the last call, as three equal-length int64 arrays: ``kinds`` is
-    ``EV_FINISH`` (prefill done; the request leaves the pool) or ``EV_PROGRESS`` (``tokens``
-    more tokens prefilled since the request's previous event). The arrays are reused by the
+    ``EV_FINISH`` (prefill done; the request leaves the pool), ``EV_PROGRESS`` (``tokens``
+    more tokens prefilled since the request's previous event) or, when the engines share work
+    (``simulate_prefill(work_sharing=...)``), ``EV_MOVE`` (the engine moved the request, which
+    had not started, to flat rank ``tokens`` of the same engine). The arrays are reused by the
     simulator: copy what you keep.
 
 ``view`` is a :class:`~lbkit.sim.engine.PrefillView`: the pool's shape and, per rank, the number
@@ -26,8 +28,8 @@ What each policy uses:
 ``power_of_two``   ``view.tokens`` of two distinct uniform ranks; the fewer wins (ties: lower index)
 ``lbkit``          its own ledger: :class:`lbkit.prefill.PrefillBalancer` (length buckets, engines
                    apportioned per bucket every 30 s round, least quota load inside the bucket),
-                   fed the request's lengths at routing and the progress and completion events,
-                   with the options :data:`LBKIT_OPTIONS`
+                   fed the request's lengths at routing and the progress, completion and move
+                   events (``reassign``), with the options :data:`LBKIT_OPTIONS`
 ``lbkit_nobuckets`` the same balancer with a single bucket: least quota load over the whole pool
 ============== ======================================================================
 
@@ -53,11 +55,12 @@ from lbkit.core.cost import QuadraticCost
 from lbkit.core.validation import as_rng
 from lbkit.prefill.balancer import PrefillBalancer
 from lbkit.prefill.buckets import DEFAULT_EDGES
-from lbkit.sim._kernels import EV_FINISH, EV_PROGRESS
+from lbkit.sim._kernels import EV_FINISH, EV_MOVE, EV_PROGRESS
 
 __all__ = [
     "DEFAULT_PREFILL_POLICY",
     "EV_FINISH",
+    "EV_MOVE",
     "EV_PROGRESS",
     "LBKIT_OPTIONS",
     "PREFILL_POLICIES",
@@ -233,7 +236,17 @@ class LbkitPrefill:
 
     def observe(self, requests: np.ndarray, kinds: np.ndarray, tokens: np.ndarray, /, *,
                 now_s: float) -> None:  # fmt: skip
-        self.balancer.record(requests, tokens, kinds == EV_FINISH, now_s=now_s)
+        bal = self.balancer
+        move = kinds == EV_MOVE
+        if move.any():
+            # Work sharing moves only requests that have not started, so no event of the batch
+            # precedes a move of the same request: the moves can be applied first.
+            r = self._r
+            for i, f in zip(requests[move].tolist(), tokens[move].tolist(), strict=True):
+                bal.reassign(i, f % r, now_s=now_s)
+            keep = ~move
+            requests, tokens, kinds = requests[keep], tokens[keep], kinds[keep]
+        bal.record(requests, tokens, kinds == EV_FINISH, now_s=now_s)
 
 
 def _lbkit(num_engines: int, ranks_per_engine: int, *, cost: QuadraticCost, rng: Any = None):

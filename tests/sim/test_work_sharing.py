@@ -1,0 +1,248 @@
+"""Engine-side work sharing (``simulate_prefill(work_sharing=...)``): a hand-computed step, the
+step kernel against a plain-Python model, conservation, JIT parity and lbkit's exact ledger."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lbkit.core import PRESETS
+from lbkit.sim import _kernels as K
+from lbkit.sim.engine import SHARING, scale_to_utilization, simulate_prefill
+from lbkit.sim.metrics import prefill_metrics
+from lbkit.sim.policies import EV_MOVE, LBKIT_OPTIONS, LbkitPrefill
+from lbkit.sim.traces import Trace
+from lbkit.sim.workload import synthetic_trace
+
+UNIT = PRESETS["unit"].prefill
+H800 = PRESETS["h800_dsv3"].prefill
+
+
+class RankZero:
+    """Sends every request to flat rank 0 and records the events it sees."""
+
+    name = "rank_zero"
+
+    def __init__(self):
+        self.moves = []
+
+    def route(self, request, total_tokens, cached_tokens, /, *, now_s, view):
+        return 0
+
+    def observe(self, requests, kinds, tokens, /, *, now_s):
+        moved = zip(requests.tolist(), kinds.tolist(), tokens.tolist(), strict=True)
+        self.moves += [(i, f) for i, k, f in moved if k == EV_MOVE]
+
+
+def test_hand_computed_one_engine_four_requests_on_one_rank():
+    # unit cost: step = 1 + sum(c + 0.001 c p + 0.0005 c^2); four 100-token prompts (105 s each).
+    t = Trace(arrival_s=[0.0] * 4, total_tokens=[100] * 4, output_tokens=[1] * 4)
+    kw = {"num_engines": 1, "ranks_per_engine": 4, "cost": UNIT, "budget_s": 1000.0}
+    off = simulate_prefill(t, RankZero(), **kw)
+    np.testing.assert_allclose(off.finish_s, [421.0] * 4)  # one rank: 1 + 4 * 105
+    assert off.moves == 0 and off.busy_steps.tolist() == [0, 1, 0, 0, 0]
+    for mode in ("budget", "level"):
+        pol = RankZero()
+        run = simulate_prefill(t, pol, work_sharing=mode, **kw)
+        np.testing.assert_allclose(run.finish_s, [106.0] * 4)  # one per rank
+        assert run.rank.tolist() == [0, 1, 2, 3] and run.work_sharing == mode
+        assert pol.moves == [(1, 1), (2, 2), (3, 3)] and run.moves == 3
+        assert run.busy_steps.tolist() == [0, 0, 0, 0, 1]
+        assert prefill_metrics(run)["balance_efficiency"] == pytest.approx(1.0)
+
+
+def test_level_shortens_the_step_to_the_engines_even_share():
+    # A 100-token and a 300-token prompt (105 s and 345 s of work) arrive on rank 0; budget
+    # 1000. "budget": each runs whole on its own rank, one step of 1 + 345 s. "level": the
+    # step budget is the even share of the work, (106 + 346) / 4 = 113 s; the 100-token prompt
+    # runs whole, the 300-token one fills its rank to the level and finishes alone next step.
+    t = Trace(arrival_s=[0.0, 0.0], total_tokens=[100, 300], output_tokens=[1, 1])
+    kw = {"num_engines": 1, "ranks_per_engine": 4, "cost": UNIT, "budget_s": 1000.0}
+    b = simulate_prefill(t, RankZero(), work_sharing="budget", **kw)
+    np.testing.assert_allclose(b.finish_s, [346.0, 346.0])
+    assert b.num_steps == 1
+    lv = simulate_prefill(t, RankZero(), work_sharing="level", **kw)
+    assert lv.busy_steps.tolist() == [0, 1, 1, 0, 0]
+    first = lv.busy_max_s[2]
+    assert 112.0 < first <= 113.0 and lv.finish_s[0] == first
+    assert lv.tokens_computed == 400 and lv.finish_s[1] > first
+
+
+def _model_step(queues, started, cost, tau, level):
+    """Plain-Python model of one shared step: per rank the scheduled (request, chunk) pairs and
+    the planned time. ``queues[r]`` lists (request, tokens left, prefix) in queue order."""
+    from lbkit.prefill import plan_chunks
+
+    a, b, k, q, g = cost.a, cost.b, cost.k, cost.q, cost.gamma
+
+    def work(c, p):
+        return c * (b + k * p + q * c) + g * p if c > 0 else 0.0
+
+    def fit(room, rem, p):  # the largest chunk within room (min_chunk = align = 1)
+        return max((c for c in range(rem + 1) if work(c, p) <= room), default=0)
+
+    ranks = len(queues)
+    heads = {r: qu[0] for r, qu in enumerate(queues) if qu and qu[0][0] in started}
+    pool = sorted(x for r, qu in enumerate(queues) for x in qu if heads.get(r) != x)
+    budget = tau
+    if level and pool:
+        total = 0.0
+        for r in sorted(heads):
+            total += min(a + work(heads[r][1], heads[r][2]), tau)
+        for j, (_, rem, p) in enumerate(pool):
+            if total > tau * ranks:
+                break
+            total += work(rem, p)
+            if j < ranks - len(heads):
+                total += a
+        budget = min(tau, total / ranks)
+    plan = [[] for _ in range(ranks)]
+    time = [0.0] * ranks
+    full = [False] * ranks
+    for r in sorted(heads):
+        i, rem, p = heads[r]
+        one = plan_chunks([rem], [p], cost=cost, budget_s=tau)
+        plan[r].append((i, one.chunk_tokens[0]))
+        time[r] = one.step_time_s
+        full[r] = one.chunk_tokens[0] < rem
+        budget = max(budget, time[r])
+    for i, rem, p in pool:
+        while True:
+            free = [r for r in range(ranks) if not full[r]]
+            if not free:
+                return plan, time
+            r = min(free, key=lambda r: (time[r], r))
+            fixed = 0.0 if plan[r] else a
+            c = fit(budget - time[r] - fixed, rem, p)
+            if c == 0:
+                if plan[r]:
+                    full[r] = True
+                    continue
+                c = min(1, rem)
+            time[r] = time[r] + fixed + work(c, p)
+            plan[r].append((i, c))
+            full[r] = c < rem
+            break
+    return plan, time
+
+
+@given(
+    data=st.data(),
+    ranks=st.integers(1, 4),
+    n=st.integers(0, 9),
+    tau=st.floats(20.0, 3000.0),
+    level=st.booleans(),
+)
+def test_share_kernel_matches_the_model(data, ranks, n, tau, level):
+    rem = data.draw(st.lists(st.integers(1, 2500), min_size=n, max_size=n))
+    pre = data.draw(st.lists(st.integers(0, 4000), min_size=n, max_size=n))
+    where = data.draw(st.lists(st.integers(0, ranks - 1), min_size=n, max_size=n))
+    first = {}
+    for i, f in enumerate(where):
+        first.setdefault(f, i)
+    started = {i for i in first.values() if data.draw(st.booleans())}
+    RI = np.zeros((K.N_RI, max(n, 1)), dtype=np.int64)
+    KI = np.zeros((K.N_KI, ranks), dtype=np.int64)
+    KI[K.KI_HEAD] = KI[K.KI_TAIL] = -1
+    RI[K.RI_NEXT] = -1
+    queues = [[] for _ in range(ranks)]
+    for i in range(n):
+        f = where[i]
+        RI[K.RI_REM, i] = rem[i]
+        RI[K.RI_PREFIX, i] = pre[i]
+        RI[K.RI_UNCACHED, i] = rem[i] + (7 if i in started else 0)
+        RI[K.RI_RANK, i] = f
+        K._append(RI, KI, f, i)
+        KI[K.KI_NREQ, f] += 1
+        KI[K.KI_TOKENS, f] += rem[i]
+        queues[f].append((i, rem[i], pre[i]))
+    KF = np.zeros((K.N_KF, ranks))
+    EF = np.zeros((K.N_EF, 1))
+    P = np.array([UNIT.a, UNIT.b, UNIT.k, UNIT.q, UNIT.gamma, tau, 1, 1, ranks, 0.0, 1.0,
+                  2.0 if level else 1.0])  # fmt: skip
+    ev = np.zeros(n + 1, dtype=np.int64)
+    evk, evt = ev.copy(), ev.copy()
+    SCR = np.zeros((3, max(n, ranks)), dtype=np.int64)
+    nev = K._share(0, RI, KI, KF, EF, P, ev, evk, evt, 0, SCR)
+    plan, time = _model_step(queues, started, UNIT, tau, level)
+    moved = {}
+    for f in range(ranks):
+        got, i = [], KI[K.KI_HEAD, f]
+        for s in range(KI[K.KI_SCHED, f]):
+            last = s == KI[K.KI_SCHED, f] - 1
+            got.append((int(i), int(KI[K.KI_LAST, f] if last else RI[K.RI_REM, i])))
+            if where[i] != f:
+                moved[int(i)] = f
+            i = RI[K.RI_NEXT, i]
+        assert got == plan[f], f"rank {f}"
+        assert KF[K.KF_TIME, f] == pytest.approx(time[f], rel=1e-12, abs=1e-12)
+        # every request is still queued exactly once, on the rank it records
+        members, i = [], KI[K.KI_HEAD, f]
+        while i >= 0:
+            assert RI[K.RI_RANK, i] == f
+            members.append(int(i))
+            i = RI[K.RI_NEXT, i]
+        assert len(members) == KI[K.KI_NREQ, f]
+        assert KI[K.KI_TOKENS, f] == sum(rem[j] for j in members)
+        assert KI[K.KI_TAIL, f] == (members[-1] if members else -1)
+    assert sum(KI[K.KI_NREQ]) == n
+    assert {int(ev[j]): int(evt[j]) for j in range(nev)} == moved
+    assert all(evk[:nev] == EV_MOVE)
+
+
+@pytest.mark.parametrize("mode", SHARING)
+@pytest.mark.parametrize("policy", ["round_robin", "least_tokens", "lbkit"])
+def test_conservation_determinism_and_loss_sums(mode, policy):
+    t = synthetic_trace(300, rate_per_s=40.0, long_share={"64K-256K": 0.05}, rng=2)
+    kw = {"num_engines": 3, "ranks_per_engine": 3, "cost": H800, "work_sharing": mode}
+    run = simulate_prefill(t, policy, **kw)
+    m = prefill_metrics(run)
+    assert m["finished"] == len(t) and m["in_flight"] == 0
+    assert run.tokens_computed == int((t.total_tokens - t.cached_tokens).sum())
+    assert run.busy_steps.sum() == run.num_steps and run.busy_steps[0] == 0
+    assert run.busy_mean_s.sum() == pytest.approx(run.step_mean_s)
+    assert run.busy_max_s.sum() == pytest.approx(run.step_max_s)
+    assert 0.0 <= run.few_mean_s <= run.few_max_s <= run.step_max_s
+    assert (run.moves > 0) == (mode != "off") or policy == "least_tokens"
+    again = simulate_prefill(t, policy, **kw)
+    np.testing.assert_array_equal(run.finish_s, again.finish_s)
+    np.testing.assert_array_equal(run.rank, again.rank)
+
+
+@pytest.mark.parametrize("horizon", [None, 30.0])
+def test_lbkit_ledger_follows_the_moves(horizon):
+    t = synthetic_trace(400, rate_per_s=60.0, rng=5)
+    t = scale_to_utilization(t, 0.9, num_ranks=8, cost=H800)[0]
+    pol = LbkitPrefill(2, 4, cost=H800, rng=0, **LBKIT_OPTIONS)
+    run = simulate_prefill(t, pol, num_engines=2, ranks_per_engine=4, cost=H800,
+                           work_sharing="level", horizon_s=horizon)  # fmt: skip
+    bal = pol.balancer
+    bal._check()
+    stats = bal.statistics()
+    assert run.moves > 0 and stats.reassigned == run.moves
+    live = np.flatnonzero((run.rank >= 0) & ~run.finished)
+    assert stats.queued == live.size
+    for i in live.tolist():  # the ledger holds each request in flight on its current rank
+        f = int(run.rank[i])
+        assert i in bal.requests_on(f // 4, f % 4)
+
+
+def test_jit_parity_with_sharing(monkeypatch):
+    t = synthetic_trace(80, rate_per_s=40.0, rng=3)
+    kw = {"num_engines": 2, "ranks_per_engine": 3, "cost": H800, "work_sharing": "level"}
+    jit = simulate_prefill(t, "least_requests", **kw)
+    for name in ("prefill_advance", "prefill_admit", "prefill_alone"):
+        monkeypatch.setattr(K, name, getattr(K, name).py_func)
+    py = simulate_prefill(t, "least_requests", **kw)
+    np.testing.assert_array_equal(jit.finish_s, py.finish_s)
+    np.testing.assert_array_equal(jit.rank, py.rank)
+    assert jit.step_max_s == py.step_max_s and jit.moves == py.moves
+
+
+def test_bad_work_sharing():
+    t = Trace(arrival_s=[0.0], total_tokens=[10], output_tokens=[1])
+    with pytest.raises(ValueError, match="work_sharing: must be one of"):
+        simulate_prefill(t, "round_robin", num_engines=1, ranks_per_engine=1, cost=UNIT,
+                         work_sharing="steal")  # fmt: skip
