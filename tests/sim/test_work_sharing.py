@@ -53,21 +53,30 @@ def test_hand_computed_one_engine_four_requests_on_one_rank():
         assert prefill_metrics(run)["balance_efficiency"] == pytest.approx(1.0)
 
 
-def test_level_shortens_the_step_to_the_engines_even_share():
-    # A 100-token and a 300-token prompt (105 s and 345 s of work) arrive on rank 0; budget
-    # 1000. "budget": each runs whole on its own rank, one step of 1 + 345 s. "level": the
-    # step budget is the even share of the work, (106 + 346) / 4 = 113 s; the 100-token prompt
-    # runs whole, the 300-token one fills its rank to the level and finishes alone next step.
-    t = Trace(arrival_s=[0.0, 0.0], total_tokens=[100, 300], output_tokens=[1, 1])
+def test_level_shortens_the_step_to_the_level_that_fills_every_rank():
+    # Four 100-token prompts and a 300-token one (105 s and 345 s of work) arrive on rank 0;
+    # budget 1000. "budget": one prompt per rank, the long one whole after a short one, one
+    # step of 1 + 105 + 345 s. "level": the step is the largest T that the requests fill on
+    # every rank, T = (4 * 106 + min(345, T)) / 4, i.e. T = 424 / 3; the long prompt fills
+    # rank 0 up to T and finishes alone in the next step.
+    t = Trace(arrival_s=[0.0] * 5, total_tokens=[100] * 4 + [300], output_tokens=[1] * 5)
     kw = {"num_engines": 1, "ranks_per_engine": 4, "cost": UNIT, "budget_s": 1000.0}
     b = simulate_prefill(t, RankZero(), work_sharing="budget", **kw)
-    np.testing.assert_allclose(b.finish_s, [346.0, 346.0])
+    np.testing.assert_allclose(b.finish_s, [451.0] * 5)
     assert b.num_steps == 1
     lv = simulate_prefill(t, RankZero(), work_sharing="level", **kw)
-    assert lv.busy_steps.tolist() == [0, 1, 1, 0, 0]
-    first = lv.busy_max_s[2]
-    assert 112.0 < first <= 113.0 and lv.finish_s[0] == first
-    assert lv.tokens_computed == 400 and lv.finish_s[1] > first
+    assert lv.busy_steps.tolist() == [0, 1, 0, 0, 1]
+    first = lv.busy_max_s[4]
+    assert 424.0 / 3 - 1.2 < first <= 424.0 / 3 + 1e-9
+    np.testing.assert_array_equal(lv.finish_s[:4], [first] * 4)
+    assert lv.finish_s[4] > first and lv.tokens_computed == 700
+    # Fewer requests than ranks: the step is the even share, (106 + 346) / 4 = 113 s; the
+    # short prompt finishes in it, the long one fills its rank and goes on alone.
+    two = Trace(arrival_s=[0.0, 0.0], total_tokens=[100, 300], output_tokens=[1, 1])
+    lv2 = simulate_prefill(two, RankZero(), work_sharing="level", **kw)
+    step = lv2.busy_max_s[2]
+    assert lv2.busy_steps.tolist() == [0, 1, 1, 0, 0] and 112.0 < step <= 113.0
+    assert lv2.finish_s[0] == step < lv2.finish_s[1]
 
 
 def _model_step(queues, started, cost, tau, level):
@@ -88,22 +97,25 @@ def _model_step(queues, started, cost, tau, level):
     pool = sorted(x for r, qu in enumerate(queues) for x in qu if heads.get(r) != x)
     budget = tau
     if level and pool:
-        total = 0.0
-        for r in sorted(heads):
-            total += min(a + work(heads[r][1], heads[r][2]), tau)
-        for j, (_, rem, p) in enumerate(pool):
-            if total > tau * ranks:
-                break
-            total += work(rem, p)
-            if j < ranks - len(heads):
-                total += a
-        budget = min(tau, total / ranks)
+        t_level = tau * ranks
+        # T = sum min(w, T) / ranks, from T = total / ranks (only that with fewer requests)
+        for _ in range(6 if len(heads) + len(pool) >= ranks else 1):
+            total = 0.0
+            for r in sorted(heads):
+                total += min(a + work(heads[r][1], heads[r][2]), tau, t_level)
+            for j, (_, rem, p) in enumerate(pool):
+                if total > tau * ranks:
+                    break
+                w = work(rem, p) + (a if j < ranks - len(heads) else 0.0)
+                total += min(w, t_level)
+            t_level = total / ranks
+        budget = min(tau, t_level)
     plan = [[] for _ in range(ranks)]
     time = [0.0] * ranks
     full = [False] * ranks
     for r in sorted(heads):
         i, rem, p = heads[r]
-        one = plan_chunks([rem], [p], cost=cost, budget_s=tau)
+        one = plan_chunks([rem], [p], cost=cost, budget_s=budget)
         plan[r].append((i, one.chunk_tokens[0]))
         time[r] = one.step_time_s
         full[r] = one.chunk_tokens[0] < rem

@@ -220,12 +220,11 @@ def _share(e, RI, KI, KF, EF, P, EVR, EVK, EVT, nev, SCR):
     the rank with the least planned time (ties: lowest rank), whole while they fit the budget,
     then as a partial chunk that fills the rank. Returns the new event count.
 
-    Each rank keeps its started head (planned alone, under the full budget). With
-    ``P[P_SHARE] == 2`` (level) the budget of the pooled requests is lowered to the engine's
-    work spread evenly over its ranks (each started head counted up to the budget), but not
-    below a started head's planned time. The queues are rebuilt as: started head, requests
-    scheduled this step (in order), then the rank's own unscheduled requests. A request that
-    changes rank is reported as an ``EV_MOVE`` event (tokens = new flat rank).
+    Each rank keeps its started head, planned first, alone. With ``P[P_SHARE] == 2``
+    (level) the step's budget, heads included, is lowered to the level at which the engine's
+    requests fill every rank (see the comment below). The queues are rebuilt as: started head,
+    requests scheduled this step (in order), then the rank's own unscheduled requests. A
+    request that changes rank is reported as an ``EV_MOVE`` event (tokens = new flat rank).
     """
     ranks = np.int64(P[P_RANKS])
     budget = P[P_BUDGET]
@@ -249,37 +248,49 @@ def _share(e, RI, KI, KF, EF, P, EVR, EVK, EVT, nev, SCR):
             m += 1
             i = RI[RI_NEXT, i]
     pool = np.sort(SCR[0, :m])
+    heads = 0
+    for g in range(ranks):
+        heads += SCR[2, g] >= 0
     if P[P_SHARE] > 1.0 and m > 0:
-        # Level target: the engine's work (each rank's share at most the budget) spread
-        # evenly over its ranks.
-        work = 0.0
-        heads = 0
-        for g in range(ranks):
-            i = SCR[2, g]
-            if i >= 0:
-                heads += 1
-                work += min(P[P_A] + _quota(P, RI[RI_REM, i], RI[RI_PREFIX, i]), budget)
-        for j in range(m):
-            if work > budget * ranks:
-                break
-            i = pool[j]
-            work += _quota(P, RI[RI_REM, i], RI[RI_PREFIX, i])
-            if j < ranks - heads:
-                work += P[P_A]
-        level = work / ranks
+        # Level target T: the largest step that the engine's work fills on every rank, where a
+        # request gives at most T to one rank: T = sum_i min(w_i, T) / ranks over the started
+        # heads (w at most the budget) and the pooled requests (the first ones with the fixed
+        # cost of an empty rank). Iterating from T = total / ranks decreases to it. With fewer
+        # requests than ranks no T > 0 fills every rank: T = total / ranks (short steps, so
+        # that new requests join soon).
+        level = budget * ranks
+        for _ in range(6 if heads + m >= ranks else 1):
+            work = 0.0
+            for g in range(ranks):
+                i = SCR[2, g]
+                if i >= 0:
+                    w = P[P_A] + _quota(P, RI[RI_REM, i], RI[RI_PREFIX, i])
+                    work += min(w, budget, level)
+            for j in range(m):
+                if work > budget * ranks:
+                    break
+                i = pool[j]
+                w = _quota(P, RI[RI_REM, i], RI[RI_PREFIX, i])
+                if j < ranks - heads:
+                    w += P[P_A]
+                work += min(w, level)
+            level = work / ranks
         if level < budget:
             budget = level
     for g in range(ranks):
         i = SCR[2, g]
         if i >= 0:
             f = f0 + g
+            keep = P[P_BUDGET]
+            P[P_BUDGET] = budget  # the level caps a started request's chunk too
             _, last, t = plan_rank_one(RI, P, i)
+            P[P_BUDGET] = keep
             KI[KI_SCHED, f] = 1
             KI[KI_LAST, f] = last
             KF[KF_TIME, f] = t
             full[g] = last < RI[RI_REM, i]  # a partial head fills the rank
             if t > budget:
-                budget = t  # never below a started request's chunk
+                budget = t  # the progress guarantee's overrun sets the step
     if m == 0:
         return nev
     # 2. assign in arrival order (SCR[1, j]: the flat rank it joins this step, or -1)

@@ -431,10 +431,12 @@ def simulate_prefill(
         gives them, earliest first, to the rank with the least planned time (ties: lowest
         rank; a rank keeps its started request, planned first), whole while they fit the
         budget, then one partial chunk that fills the rank. ``"level"``: the same, with the
-        step's budget lowered to the engine's work spread evenly over its ranks (never below a
-        started request's planned chunk), so that ranks end the step together. A request that
-        changes rank is reported to the policy as an ``EV_MOVE`` event (``tokens`` = the new
-        flat rank) before the step's progress.
+        step's budget (started requests included) lowered to the *level* ``T``: the largest
+        step that the engine's requests fill on every rank, each giving at most ``T`` to one
+        rank (``T = sum_i min(w_i, T) / R`` over the requests' remaining work ``w_i``); with
+        fewer requests than ranks, ``T = sum_i w_i / R`` (short steps, so that new requests
+        join soon). A request that changes rank is reported to the policy as an ``EV_MOVE``
+        event (``tokens`` = the new flat rank) before the step's progress.
     horizon_s : float, optional
         Stop at this time (requests not finished by then are *in flight*). Default: run until
         every routed request is prefilled.
