@@ -1,4 +1,5 @@
-"""``PrefillBalancer.reassign``: an engine moves a request that has not started between ranks."""
+"""``PrefillBalancer.reassign`` (an engine moves a request that has not started between ranks)
+and ``fill_holes`` (a request takes a free rank of a stepping engine of another bucket)."""
 
 from __future__ import annotations
 
@@ -59,3 +60,27 @@ def test_reassign_rejects_bad_input_and_changes_nothing():
         bal.reassign(0, 1, now_s=float("nan"))
     assert bal.statistics() == before
     bal._check()
+
+
+def test_fill_holes_uses_another_buckets_stepping_engine():
+    unit = PRESETS["unit"].prefill  # quota(n) = n + 0.0005 n^2 seconds
+    kw = {"edges": (1000,), "initial_engines": (1, 1), "wake_penalty_s": 10.0}
+    bal = PrefillBalancer(2, 2, cost=unit, fill_holes=True, **kw)
+    plain = PrefillBalancer(2, 2, cost=unit, **kw)
+    for b in (bal, plain):
+        assert b.route("long", 2000, 0, now_s=0.0)[:2] == (1, 0)  # 4000 s on engine 1
+    # A short prompt fits in engine 1's steps (105 s <= 4000 s) on its free rank, which beats
+    # waking the idle engine of its own bucket (score 10).
+    assert bal.route("s1", 100, 0, now_s=0.1) == (1, 1, 0, "fill")
+    assert plain.route("s1", 100, 0, now_s=0.1) == (0, 0, 0, "own_bucket")
+    # The next one: that rank now holds 105 s, more than the own choice's score: own bucket.
+    assert bal.route("s2", 100, 0, now_s=0.2) == (0, 0, 0, "own_bucket")
+    # Engine 0 steps now: its free rank (score 0) is the own choice, and no hole beats it.
+    assert bal.route("s3", 100, 0, now_s=0.3) == (0, 1, 0, "own_bucket")
+    assert bal.state_dict()["config"]["fill_holes"] is True
+    bal._check()
+
+
+def test_fill_holes_must_be_a_bool():
+    with pytest.raises(TypeError, match="fill_holes: must be a bool"):
+        PrefillBalancer(2, 2, cost=COST, fill_holes=1)

@@ -87,8 +87,24 @@ class BalancerMachine(RuleBasedStateMachine):
             return (before[x] + (wake if idle else 0.0), x)
 
         f = d.engine * RANKS + d.rank
-        assert f == min(cand, key=score)
-        assert d.reason == ("own_bucket" if server == d.bucket else "shared_bucket")
+        want = min(cand, key=score)
+        reason = "own_bucket" if server == d.bucket else "shared_bucket"
+        if self.OPTIONS.get("fill_holes"):
+            # Hole filling: the least loaded rank of any active engine that takes the quota
+            # within its most loaded rank, if no more loaded than the own choice's score.
+            quota = float(COST.quota(total - cached, cached))
+            holes = [
+                e * RANKS + r for e in range(ENGINES) for r in range(RANKS)
+                if stats.engine_state[e] == "active" and before[e * RANKS + r] + quota
+                <= max(before[e * RANKS : (e + 1) * RANKS])
+            ]  # fmt: skip
+            if holes:
+                order = {e: (stats.engine_bucket[e], e) for e in range(ENGINES)}
+                h = min(holes, key=lambda x: (before[x], order[x // RANKS], x % RANKS))
+                if h != want and before[h] <= score(want)[0]:
+                    want, reason = h, "fill"
+        assert f == want
+        assert d.reason == reason
         self.model.live[rid] = [total, cached, 0, f]
         self.model.status[rid] = "live"
 
@@ -295,7 +311,17 @@ class OptionsMachine(BalancerMachine):
     }  # fmt: skip
 
 
+class FillMachine(BalancerMachine):
+    """The same rules with engine-aware rank choice and hole filling across buckets."""
+
+    OPTIONS: ClassVar[dict[str, Any]] = {
+        "initial_engines": [2, 1, 1], "wake_penalty_s": 5.0, "fill_holes": True,
+    }  # fmt: skip
+
+
 BalancerMachine.TestCase.settings = settings(stateful_step_count=40, deadline=None)
 TestBalancerMachine = BalancerMachine.TestCase
 OptionsMachine.TestCase.settings = settings(stateful_step_count=40, deadline=None)
 TestOptionsMachine = OptionsMachine.TestCase
+FillMachine.TestCase.settings = settings(stateful_step_count=40, deadline=None)
+TestFillMachine = FillMachine.TestCase

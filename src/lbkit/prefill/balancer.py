@@ -85,8 +85,9 @@ __all__ = [
 
 #: Reason codes of a :class:`RouteDecision`: routed to the bucket's own engines, to the engines
 #: of the neighbouring bucket that serves it (it has none of its own), spilled over to a
-#: neighbouring bucket's engines, or refused because no engine is in service.
-REASONS = ("own_bucket", "shared_bucket", "spill", "no_engine")
+#: neighbouring bucket's engines, filling a hole of another engine (``fill_holes``), or refused
+#: because no engine is in service.
+REASONS = ("own_bucket", "shared_bucket", "spill", "fill", "no_engine")
 
 _ACTIVE, _DRAINING, _OUT = 0, 1, 2
 _STATE_NAMES = ("active", "draining", "out")
@@ -279,6 +280,13 @@ class PrefillBalancer:
         counts ``wake_penalty_s`` seconds more than its load, so a request fills the free ranks
         of engines that are already stepping before it wakes an idle engine. Default: off (the
         plain least quota load).
+    fill_holes : bool, default False
+        Hole filling: a request may go to a rank of any active engine, of any bucket, whose
+        load plus the request's quota stays within that engine's most loaded rank (the work
+        runs in steps the engine takes anyway), if that rank's load is at most the score of
+        the bucket's own choice (ties go to the hole: the own choice may lengthen its engine's
+        steps); among such ranks the least loaded wins (ties: buckets in order, then the
+        lowest engine and rank). Reason ``"fill"``.
     rng : numpy Generator, int seed or None
         Randomness for ``sample``.
     now_s : float, default 0
@@ -322,6 +330,7 @@ class PrefillBalancer:
         cold_start_s: float | None = None,
         max_drain_s: float | None = None,
         wake_penalty_s: float | None = None,
+        fill_holes: bool = False,
         rng: np.random.Generator | int | None = None,
         now_s: float = 0.0,
     ) -> None:
@@ -369,6 +378,9 @@ class PrefillBalancer:
             if wake_penalty_s is None
             else check_real(wake_penalty_s, "wake_penalty_s", min_value=0.0)
         )
+        if not isinstance(fill_holes, (bool, np.bool_)):
+            raise TypeError(f"fill_holes: must be a bool, got {type(fill_holes).__name__}")
+        self._fill = bool(fill_holes)
         self._rng = as_rng(rng)
         now = _time(now_s)
         if initial_engines is None:
@@ -464,6 +476,7 @@ class PrefillBalancer:
             for e in np.flatnonzero(active & (self._home == j)).tolist():
                 order.extend(range(e * r, e * r + r))
             stop[j] = len(order)
+        self._active_end = len(order)
         rest = np.flatnonzero(~active).tolist()
         for e in rest:
             order.extend(range(e * r, e * r + r))
@@ -485,8 +498,8 @@ class PrefillBalancer:
             else 0.0
         )
 
-    def _choose(self, bucket: int) -> tuple[int, str]:
-        """Slot for a new request of ``bucket`` (-1 if no engine) and the reason."""
+    def _choose(self, bucket: int, quota: float) -> tuple[int, str]:
+        """Slot for a new request of ``bucket`` and ``quota`` (-1 if no engine), and the reason."""
         lo = self._lo[bucket]
         hi = self._hi[bucket]
         if lo == hi:
@@ -511,7 +524,25 @@ class PrefillBalancer:
                 nk = int(nvals.argmin())
                 if own > self._spill * nvals[nk] and nvals[nk] < best:
                     slot, best, reason = nlo + nk, nvals[nk], "spill"
+        if self._fill:
+            # Ties go to the hole: it runs within steps its engine takes anyway, where the own
+            # choice may lengthen its engine's steps.
+            hole = self._hole(quota)
+            if hole >= 0 and hole != slot:
+                if self._load[hole] <= (best if reason == "spill" else vals[k]):
+                    slot, reason = hole, "fill"
         return slot, reason
+
+    def _hole(self, quota: float) -> int:
+        """The least loaded slot of an active engine that it would take ``quota`` more without
+        exceeding the engine's most loaded rank (ties: lowest slot); -1 if none."""
+        end = self._active_end
+        if end == 0:
+            return -1
+        block = self._load[:end].reshape(-1, self._ranks)
+        vals = np.where(block <= block.max(axis=1, keepdims=True) - quota, block, np.inf)
+        k = int(vals.argmin())
+        return k if vals.flat[k] < np.inf else -1
 
     def _scores(self, lo: int, hi: int) -> np.ndarray:
         """Routing scores of the slots ``lo:hi``: the quota loads, plus the wake penalty on the
@@ -576,7 +607,7 @@ class PrefillBalancer:
         bucket = bisect.bisect_right(self._edges, total_tokens)
         quota = self._quota(total_tokens - cached_tokens, cached_tokens)
         self._round_quota[bucket] += quota
-        slot, reason = self._choose(bucket)
+        slot, reason = self._choose(bucket, quota)
         if slot < 0:
             self._counts["refused"] += 1
             return RouteDecision(-1, -1, bucket, reason)
@@ -919,7 +950,8 @@ class PrefillBalancer:
         for f in range(engine * r, engine * r + r):
             for req in list(self._queues[f].values()):
                 self._drop(req)
-                slot, reason = self._choose(req.bucket)
+                full = self._quota(req.total - req.cached, req.cached)
+                slot, reason = self._choose(req.bucket, full)
                 if slot < 0:
                     self._counts["handed_back"] += 1
                     moved.append((req.rid, RouteDecision(-1, -1, req.bucket, reason)))
@@ -1174,6 +1206,7 @@ class PrefillBalancer:
                 "cold_start_s": self._cold,
                 "max_drain_s": self._max_drain,
                 "wake_penalty_s": self._wake,
+                "fill_holes": self._fill,
             },
             "state": {
                 "engine_bucket": self._home.tolist(),

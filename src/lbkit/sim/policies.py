@@ -37,8 +37,9 @@ What each policy uses:
 is one group until a first re-plan after 5 s allocates engines from the demand seen), no engine
 moves while its busiest rank holds more than 30 s of work, engine-aware rank choice (a rank of an
 idle engine counts one second, one default step budget, more than its load, so requests fill the
-free ranks of engines already stepping first) and spill-over to a neighbouring bucket whose best
-rank is three times less loaded.
+free ranks of engines already stepping first), spill-over to a neighbouring bucket whose best
+rank is three times less loaded, and hole filling (a request may take a rank of another bucket's
+engine where it runs within the steps that engine takes anyway).
 
 Baselines treat the pool as one flat list of ranks; they know nothing of engines or lengths.
 """
@@ -75,7 +76,13 @@ __all__ = [
 
 #: Options of :class:`~lbkit.prefill.PrefillBalancer` used by the ``lbkit`` policies.
 LBKIT_OPTIONS: Mapping[str, Any] = MappingProxyType(
-    {"cold_start_s": 5.0, "max_drain_s": 30.0, "wake_penalty_s": 1.0, "spill_ratio": 3.0}
+    {
+        "cold_start_s": 5.0,
+        "max_drain_s": 30.0,
+        "wake_penalty_s": 1.0,
+        "spill_ratio": 3.0,
+        "fill_holes": True,
+    }
 )
 
 
@@ -256,7 +263,7 @@ def _lbkit(num_engines: int, ranks_per_engine: int, *, cost: QuadraticCost, rng:
 def _lbkit_nobuckets(
     num_engines: int, ranks_per_engine: int, *, cost: QuadraticCost, rng: Any = None
 ):
-    opts = {k: v for k, v in LBKIT_OPTIONS.items() if k in ("wake_penalty_s",)}
+    opts = {k: v for k, v in LBKIT_OPTIONS.items() if k in ("wake_penalty_s", "fill_holes")}
     return LbkitPrefill(num_engines, ranks_per_engine, cost=cost, rng=rng, edges=None, **opts)
 
 
