@@ -90,18 +90,20 @@ class BalancerMachine(RuleBasedStateMachine):
         want = min(cand, key=score)
         reason = "own_bucket" if server == d.bucket else "shared_bucket"
         if self.OPTIONS.get("fill_holes"):
-            # Hole filling: the least loaded rank of any active engine that takes the quota
-            # within its most loaded rank, if no more loaded than the own choice's score.
+            # Hole filling: when the own choice would lengthen its engine's steps, the least
+            # loaded rank of any active engine that takes the quota within its most loaded
+            # rank, if no more loaded than the own choice's score.
             quota = float(COST.quota(total - cached, cached))
             holes = [
                 e * RANKS + r for e in range(ENGINES) for r in range(RANKS)
                 if stats.engine_state[e] == "active" and before[e * RANKS + r] + quota
                 <= max(before[e * RANKS : (e + 1) * RANKS])
             ]  # fmt: skip
-            if holes:
+            e = want // RANKS
+            if holes and before[want] + quota > max(before[e * RANKS : (e + 1) * RANKS]):
                 order = {e: (stats.engine_bucket[e], e) for e in range(ENGINES)}
                 h = min(holes, key=lambda x: (before[x], order[x // RANKS], x % RANKS))
-                if h != want and before[h] <= score(want)[0]:
+                if before[h] <= score(want)[0]:
                     want, reason = h, "fill"
         assert f == want
         assert d.reason == reason

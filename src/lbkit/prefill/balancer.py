@@ -228,6 +228,8 @@ def _request_id(value: Any) -> int | str:
 
 
 def _time(value: Any) -> float:
+    if type(value) is float and value - value == 0.0:  # finite float: the common case
+        return value
     return check_real(value, "now_s")
 
 
@@ -283,10 +285,10 @@ class PrefillBalancer:
     fill_holes : bool, default False
         Hole filling: a request may go to a rank of any active engine, of any bucket, whose
         load plus the request's quota stays within that engine's most loaded rank (the work
-        runs in steps the engine takes anyway), if that rank's load is at most the score of
-        the bucket's own choice (ties go to the hole: the own choice may lengthen its engine's
-        steps); among such ranks the least loaded wins (ties: buckets in order, then the
-        lowest engine and rank). Reason ``"fill"``.
+        runs in steps the engine takes anyway), when the bucket's own choice would lengthen
+        its engine's steps and that rank's load is at most the own choice's score; among such
+        ranks the least loaded wins (ties: buckets in order, then the lowest engine and rank).
+        Reason ``"fill"``.
     rng : numpy Generator, int seed or None
         Randomness for ``sample``.
     now_s : float, default 0
@@ -505,6 +507,7 @@ class PrefillBalancer:
         if lo == hi:
             return -1, "no_engine"
         vals = self._scores(lo, hi)
+        tops = self._top
         if self._sample is None or self._sample >= hi - lo:
             k = int(vals.argmin())
         else:
@@ -525,11 +528,17 @@ class PrefillBalancer:
                 if own > self._spill * nvals[nk] and nvals[nk] < best:
                     slot, best, reason = nlo + nk, nvals[nk], "spill"
         if self._fill:
-            # Ties go to the hole: it runs within steps its engine takes anyway, where the own
-            # choice may lengthen its engine's steps.
-            hole = self._hole(quota)
-            if hole >= 0 and hole != slot:
-                if self._load[hole] <= (best if reason == "spill" else vals[k]):
+            load = self._load
+            r = self._ranks
+            if reason != "spill" and tops is not None:
+                top = tops[k // r]
+            else:
+                top = load[slot - slot % r : slot - slot % r + r].max()
+            # An own choice that runs within its engine's steps is a hole already; otherwise
+            # ties go to the hole (the own choice would lengthen its engine's steps).
+            if load[slot] + quota > top:
+                hole = self._hole(quota)
+                if hole >= 0 and load[hole] <= (best if reason == "spill" else vals[k]):
                     slot, reason = hole, "fill"
         return slot, reason
 
@@ -553,9 +562,11 @@ class PrefillBalancer:
         """
         vals = self._load[lo:hi]
         if self._wake is None or self._wake == 0.0:
+            self._top = None
             return vals
         block = vals.reshape(-1, self._ranks)
-        return (block + np.where(block.max(axis=1) > 0.0, 0.0, self._wake)[:, None]).ravel()
+        self._top = top = block.max(axis=1)  # each engine's most loaded rank (for _choose)
+        return (block + np.where(top > 0.0, 0.0, self._wake)[:, None]).ravel()
 
     def route(
         self, request_id: Hashable, total_tokens: int, cached_tokens: int = 0, *, now_s: float
@@ -704,8 +715,7 @@ class PrefillBalancer:
         req = self._get(request_id)
         if not (type(rank) is int and 0 <= rank < self._ranks):
             rank = check_int(rank, "rank", min_value=0, max_value=self._ranks - 1)
-        if type(now_s) is not float or now_s - now_s != 0.0:
-            _time(now_s)
+        _time(now_s)
         if req.done:
             raise ValueError(
                 f"request_id: request {request_id!r} has started ({req.done} tokens prefilled) "
