@@ -130,6 +130,66 @@ def section_small(rng, quick, report):
     report["small_exact"] = rows
 
 
+def section_two_slot_exact(rng, layers, rel_gap, time_limit_s, report):
+    """Two slots per GPU at full size (288 slots, 144 GPUs): gap to the exact optimum."""
+    from lbkit.eplb._reference import optimal_two_slot
+
+    print(
+        f"\n== 288 slots on 144 GPUs: exact optimum (first {layers} layers per load, proven to "
+        f"{rel_gap:g}) ==",
+        flush=True,
+    )
+    rows = []
+    for name, w in families(rng, False).items():
+        w = w[:layers]
+        mean = w.sum(axis=1) / 144
+        lb = lower_bound(w, 288, 8, 1, 144, policy="global")
+        plans = {
+            m: rebalance_experts(w, 288, 8, 1, 144, method=m, policy="global")
+            for m in ("greedy", "default")
+        }
+        top = {m: max_gpu_load(w, p, 144) / mean for m, p in plans.items()}
+        opt, low, proven, secs = [], [], [], []
+        for layer in range(w.shape[0]):
+            t = time.perf_counter()
+            best, lo, _, ok = optimal_two_slot(
+                w[layer],
+                num_gpus=144,
+                upper_counts=plans["default"].logcnt[layer],
+                lower_bound=lb[layer] * mean[layer],
+                rel_gap=rel_gap,
+                time_limit_s=time_limit_s,
+            )
+            secs.append(time.perf_counter() - t)
+            opt.append(best / mean[layer])
+            low.append(lo / mean[layer])
+            proven.append(ok)
+        opt, low = np.array(opt), np.array(low)
+        row = {
+            "loads": name,
+            "layers": int(w.shape[0]),
+            "proven": int(sum(proven)),
+            "optimum_mean": float(opt.mean()),
+            "optimum_low_mean": float(low.mean()),
+            "lower_bound_mean": float(lb.mean()),
+            "solve_s_mean": float(np.mean(secs)),
+        }
+        for m in ("greedy", "default"):
+            row[f"{m}_mean"] = float(top[m].mean())
+            row[f"{m}_gap_pct"] = 100 * (top[m].mean() / opt.mean() - 1)
+            row[f"{m}_worst_pct"] = 100 * float((top[m] / opt - 1).max())
+        row["bound_gap_pct"] = 100 * (1 - lb.mean() / opt.mean())
+        rows.append(row)
+        print(
+            f"{name:32s} optimum {row['optimum_mean']:.4f} (proven {row['proven']}/"
+            f"{row['layers']}, {row['solve_s_mean']:.0f} s/layer)  default "
+            f"+{row['default_gap_pct']:.3f}% (worst +{row['default_worst_pct']:.2f}%)  greedy "
+            f"+{row['greedy_gap_pct']:.3f}%  bound -{row['bound_gap_pct']:.2f}%",
+            flush=True,
+        )
+    report["two_slot_exact"] = rows
+
+
 def _pct(x):
     return "n/a" if x is None else f"{x:+.3f}%"
 
@@ -384,14 +444,33 @@ def main(argv=None):
     parser.add_argument("--json", type=Path)
     parser.add_argument("--quick", action="store_true", help="fewer traces and repetitions")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--exact-layers",
+        type=int,
+        default=0,
+        help="layers per load solved exactly at 288 slots on 144 GPUs (HiGHS; slow)",
+    )
+    parser.add_argument("--exact-gap", type=float, default=1e-4)
+    parser.add_argument("--exact-time-limit", type=float, default=300.0)
+    parser.add_argument("--only-exact", action="store_true", help="run only that section")
     args = parser.parse_args(argv)
     lbkit.warmup(packages=("eplb",))
     rng = np.random.default_rng(args.seed)
     report: dict = {"seed": args.seed}
-    section_time(rng, report)
-    section_global(rng, args.quick, report)
-    section_small(rng, args.quick, report)
-    section_hier(rng, args.quick, report)
+    if not args.only_exact:
+        section_time(rng, report)
+        section_global(rng, args.quick, report)
+        section_small(rng, args.quick, report)
+        section_hier(rng, args.quick, report)
+    if args.exact_layers:
+        # Own generator: the same loads whether or not the other sections run.
+        section_two_slot_exact(
+            np.random.default_rng([args.seed, 2]),
+            args.exact_layers,
+            args.exact_gap,
+            args.exact_time_limit,
+            report,
+        )
     report["tables"] = tables(report)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))

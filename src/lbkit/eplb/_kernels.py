@@ -23,6 +23,8 @@ __all__ = [
     "lower_bound_layers",
     "partition_groups",
     "solve_subproblem",
+    "solve_two_slot",
+    "two_slot_counts",
     "warmup",
 ]
 
@@ -1088,9 +1090,12 @@ def default_plan(
         # largest load already reached on the layer (the layer's balance is its largest load).
         reached = 0.0
         for n in np.argsort(-node_bound, kind="mergesort"):
-            v = solve_subproblem_to(
-                w_node[n], gpus_per_node, slots, max_evals, stop_gap, reached, cnt, gpu_exp
-            )
+            if slots == 2 and phy_per_node > EXACT_MAX_REPLICAS:
+                v = solve_two_slot(w_node[n], gpus_per_node, stop_gap, reached, cnt, gpu_exp)
+            else:
+                v = solve_subproblem_to(
+                    w_node[n], gpus_per_node, slots, max_evals, stop_gap, reached, cnt, gpu_exp
+                )
             reached = max(reached, v)
             for j in range(log_per_node):
                 logcnt[layer, local2log[n, j]] = cnt[j]
@@ -1325,6 +1330,251 @@ def lower_bound_layers(weight, num_phy, num_groups, num_nodes, num_gpus, out):
         out[layer] = max(_enumerate_bound(sub, num_groups, num_nodes, per_node), glob)
 
 
+# --------------------------------------------------------------------------------------------
+# Two slots per GPU: for fixed counts the sorted pairing is optimal, so only counts are searched.
+# --------------------------------------------------------------------------------------------
+
+#: Receivers below the critical partner tried per step of :func:`two_slot_counts`.
+TWO_SLOT_RECEIVERS = 8
+
+
+@jit
+def _pair_walk(size, cnt, order, num_gpus, limit, crit):
+    """Sorted pairing of the replicas: the k-th largest with the k-th smallest.
+
+    Expert ``e`` has ``cnt[e]`` replicas of ``size[e]``; ``order`` lists the experts by
+    decreasing size. For fixed counts this pairing minimises the largest pair (exchange
+    argument). Returns ``(top, ntop, partner)``: the largest pair sum, the number of pairs within
+    a relative ``_REL_TOL`` of it and the largest small-side replica among those pairs; or
+    ``(inf, 0, 0.0)`` as soon as a pair exceeds ``limit``. When ``crit`` is not empty, the experts
+    of every pair within ``_REL_TOL`` of ``limit`` are marked in it. O(E).
+    """
+    num_log = order.shape[0]
+    i = 0
+    j = num_log - 1
+    ri = cnt[order[i]]
+    rj = cnt[order[j]]
+    pairs = 0
+    top = -1.0
+    ntop = 0
+    partner = 0.0
+    while pairs < num_gpus:
+        a = order[i]
+        b = order[j]
+        take = ri // 2 if i == j else min(ri, rj)
+        take = min(take, num_gpus - pairs)
+        v = size[a] + size[b]
+        if v > limit:
+            return np.inf, 0, 0.0
+        if v > top * (1.0 + _REL_TOL):
+            top = v
+            ntop = take
+            partner = size[b]
+        elif v >= top * (1.0 - _REL_TOL):
+            ntop += take
+            partner = max(partner, size[b])
+        if crit.shape[0] > 0 and v >= limit * (1.0 - _REL_TOL):
+            crit[a] = True
+            crit[b] = True
+        pairs += take
+        if pairs >= num_gpus:
+            break
+        if i == j:
+            ri -= 2 * take
+            rj = ri
+        else:
+            ri -= take
+            rj -= take
+        if ri == 0:
+            i += 1
+            ri = cnt[order[i]] if i != j else rj
+        if rj == 0:
+            j -= 1
+            rj = cnt[order[j]] if j != i else ri
+    return top, ntop, partner
+
+
+@jit
+def _before(size, a, b):
+    """Order of :func:`_pair_walk`: larger size first, then lower index."""
+    return size[a] > size[b] or (size[a] == size[b] and a < b)
+
+
+@jit
+def _moved_order(order, size, d, r, out):
+    """``order`` with experts ``d`` and ``r`` re-inserted at their places for the current sizes
+    (the others keep their relative order). O(E)."""
+    first, second = (r, d) if _before(size, r, d) else (d, r)
+    k = 0
+    placed = 0
+    for t in range(order.shape[0]):
+        x = order[t]
+        if x == d or x == r:
+            continue
+        if placed == 0 and _before(size, first, x):
+            out[k] = first
+            k += 1
+            placed = 1
+        if placed == 1 and _before(size, second, x):
+            out[k] = second
+            k += 1
+            placed = 2
+        out[k] = x
+        k += 1
+    if placed == 0:
+        out[k] = first
+        k += 1
+    if placed <= 1:
+        out[k] = second
+
+
+@jit
+def two_slot_counts(w, num_gpus, good_enough, max_steps, cnt):
+    """Replica counts for two slots per GPU by local search on the sorted pairing.
+
+    Starts from the min-max apportionment (:func:`apportion_minmax`). Each step tries moving one
+    replica from a donor (any expert with two or more) to a receiver: the experts of the pairs
+    at the maximum, and the ``TWO_SLOT_RECEIVERS`` experts whose new replica would be the
+    largest one still below the largest partner at the maximum (a smaller partner is what a
+    large replica lacks). Each trial is scored exactly by :func:`_pair_walk` in O(E); the step
+    takes the best trial by (largest pair, number of pairs at it), lexicographically, if it is
+    strictly better (ties: lowest donor, then receiver). Stops when no trial is better, after
+    ``max_steps`` steps, or once the largest pair is at most ``good_enough``. Returns the largest
+    pair sum of the final counts (in ``cnt``).
+    """
+    num_log = w.shape[0]
+    apportion_minmax(w, 2 * num_gpus, cnt)
+    size = np.empty(num_log)
+    for e in range(num_log):
+        size[e] = w[e] / cnt[e]
+    order = np.argsort(-size, kind="mergesort")
+    trial = np.empty_like(order)
+    best_order = np.empty_like(order)
+    crit = np.zeros(num_log, dtype=np.bool_)
+    recv = np.zeros(num_log, dtype=np.bool_)
+    key = np.empty(num_log)
+    no_mark = np.zeros(0, dtype=np.bool_)
+    top, ntop, partner = _pair_walk(size, cnt, order, num_gpus, np.inf, no_mark)
+    if num_log == 2 * num_gpus:
+        return top
+    for _ in range(max_steps):
+        if top <= good_enough:
+            break
+        crit[:] = False
+        _pair_walk(size, cnt, order, num_gpus, top, crit)
+        smallest = np.inf
+        for e in range(num_log):
+            smallest = min(smallest, size[e])
+            key[e] = w[e] / (cnt[e] + 1)
+            recv[e] = crit[e]
+        by_key = np.argsort(-key, kind="mergesort")
+        k = 0
+        for t in range(num_log):
+            e = by_key[t]
+            if k < TWO_SLOT_RECEIVERS and key[e] < partner:
+                recv[e] = True
+                k += 1
+        # and the expert of the largest replica and the three of the smallest
+        recv[order[0]] = True
+        for t in range(max(0, num_log - 3), num_log):
+            recv[order[t]] = True
+        bv = top
+        bn = ntop
+        bd = -1
+        br = -1
+        for d in range(num_log):
+            if cnt[d] < 2:
+                continue
+            grown = w[d] / (cnt[d] - 1)
+            for r in range(num_log):
+                # The donor's larger replica pairs with a replica no smaller than the smallest.
+                if r == d or not recv[r] or grown + min(smallest, key[r]) > bv * (1.0 + _REL_TOL):
+                    continue
+                sd = size[d]
+                sr = size[r]
+                cnt[d] -= 1
+                cnt[r] += 1
+                size[d] = grown
+                size[r] = key[r]
+                _moved_order(order, size, d, r, trial)
+                v, nv, _ = _pair_walk(size, cnt, trial, num_gpus, bv * (1.0 + _REL_TOL), no_mark)
+                if v < bv * (1.0 - _REL_TOL) or (v <= bv * (1.0 + _REL_TOL) and nv < bn):
+                    bv = v
+                    bn = nv
+                    bd = d
+                    br = r
+                    best_order[:] = trial
+                cnt[d] += 1
+                cnt[r] -= 1
+                size[d] = sd
+                size[r] = sr
+        if bd < 0:
+            break
+        cnt[bd] -= 1
+        cnt[br] += 1
+        size[bd] = w[bd] / cnt[bd]
+        size[br] = w[br] / cnt[br]
+        order[:] = best_order
+        top, ntop, partner = _pair_walk(size, cnt, order, num_gpus, np.inf, no_mark)
+    return top
+
+
+@jit
+def _pair_out(cnt, order, num_gpus, gpu_exp):
+    """Write the sorted pairing: GPU ``g`` gets the ``g``-th largest and ``g``-th smallest
+    replica."""
+    num_log = order.shape[0]
+    i = 0
+    j = num_log - 1
+    ri = cnt[order[i]]
+    rj = cnt[order[j]]
+    for g in range(num_gpus):
+        gpu_exp[g, 0] = order[i]
+        ri -= 1
+        if i == j:
+            rj = ri
+        if ri == 0:
+            i += 1
+            ri = cnt[order[i]] if i != j else rj
+        gpu_exp[g, 1] = order[j]
+        rj -= 1
+        if i == j:
+            ri = rj
+        if rj == 0 and g < num_gpus - 1:
+            j -= 1
+            rj = cnt[order[j]] if j != i else ri
+
+
+@jit
+def solve_two_slot(w, num_gpus, stop_gap, target, cnt, gpu_exp):
+    """Counts and packing for a sub-problem with two slots per GPU; returns the largest GPU load.
+
+    Counts by :func:`two_slot_counts` (stopping once within ``stop_gap`` of
+    :func:`subproblem_bound`, or at ``target``), the sorted pairing, then
+    :func:`_repair_duplicates` separates two replicas of one expert on a GPU where a swap keeps
+    the maximum.
+    """
+    num_log = w.shape[0]
+    total = 0.0
+    for e in range(num_log):
+        total += w[e]
+    good_enough = max(subproblem_bound(w, num_gpus, 2) * (1.0 + stop_gap), target)
+    if total <= 0.0:
+        good_enough = np.inf
+    two_slot_counts(w, num_gpus, good_enough, 8 * num_gpus, cnt)
+    size = np.empty(num_log)
+    for e in range(num_log):
+        size[e] = w[e] / cnt[e]
+    order = np.argsort(-size, kind="mergesort")
+    _pair_out(cnt, order, num_gpus, gpu_exp)
+    load = np.empty(num_gpus)
+    _recompute_loads(size, gpu_exp, load)
+    best = load[_argmax(load)]
+    if _count_duplicates(gpu_exp) > 0:
+        _repair_duplicates(size, gpu_exp, load, best)
+    return load[_argmax(load)]
+
+
 def warmup() -> None:
     """Compile every kernel of :mod:`lbkit.eplb` on a tiny input."""
     w = np.array([[4.0, 3.0, 2.0, 1.0]])
@@ -1333,6 +1583,9 @@ def warmup() -> None:
     logcnt = np.empty((1, 4), dtype=np.int64)
     greedy_plan(w.astype(np.float32), 8, 2, 2, 4, phy2log, phyrank, logcnt)
     default_plan(w, 8, 2, 2, 4, 8, 1e-4, phy2log, logcnt)
+    cnt = np.empty(4, dtype=np.int64)
+    gpu_exp = np.empty((3, 2), dtype=np.int64)
+    solve_two_slot(w[0], 3, 1e-4, 0.0, cnt, gpu_exp)
     out = np.empty(1)
     lower_bound_layers(w, 8, 2, 2, 4, out)
     lower_bound_layers(w, 8, 1, 1, 4, out)

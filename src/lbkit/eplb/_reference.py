@@ -8,7 +8,16 @@ and the objective is the largest load. Loads are scaled to integers (``w`` round
 the largest load, times ``lcm(1..kmax)`` so that every ``w_e / k`` is an integer); GPUs are
 ordered by load to break symmetry.
 
-OR-tools is imported inside the functions: ``import lbkit.eplb`` never loads it.
+With two slots per GPU, :func:`optimal_two_slot` solves far larger instances (hundreds of
+experts) by bisection on the largest load ``T`` over an exact feasibility test (a mixed-integer
+program, SciPy's HiGHS): for fixed counts the sorted pairing is optimal (the ``k``-th largest
+replica with the ``k``-th smallest), and it keeps every pair at most ``T`` if and only if, for
+every replica size ``x > T / 2``, at most as many replicas are ``>= x`` as are ``<= T - x``
+(replicas above ``T / 2`` cannot share a GPU; Hall's condition on a threshold graph). With
+binaries ``y[e, c]`` (expert ``e`` has ``c`` replicas) both counts are linear in ``y``.
+
+OR-tools and SciPy's MILP are imported inside the functions: ``import lbkit.eplb`` never loads
+them.
 """
 
 from __future__ import annotations
@@ -21,7 +30,13 @@ import numpy as np
 
 from lbkit.eplb._plan import _rebalance_iv
 
-__all__ = ["optimal_max_load", "optimal_moe_lb"]
+__all__ = [
+    "optimal_max_load",
+    "optimal_moe_lb",
+    "optimal_two_slot",
+    "pairing_max_load",
+    "two_slot_feasible",
+]
 
 
 def optimal_max_load(
@@ -259,3 +274,191 @@ def _partitions(items: tuple[int, ...], size: int):
         remaining = tuple(i for i in rest if i not in others)
         for tail in _partitions(remaining, size):
             yield [block, *tail]
+
+
+def two_slot_feasible(
+    w: Any, /, *, num_gpus: int, max_load: float, time_limit_s: float | None = None
+) -> tuple[np.ndarray | None, bool]:
+    """Replica counts whose sorted pairing keeps every GPU at most ``max_load`` (two slots).
+
+    Exact test (see the module docstring): a feasibility MILP with one binary per expert and
+    candidate count ``c`` (from ``max(1, ceil(w_e / max_load))`` to that plus the spare slots)
+    and one Hall row per candidate replica size above ``max_load / 2``. Sizes are compared with
+    a relative tolerance of 1e-12 of ``max_load``.
+
+    Parameters
+    ----------
+    w : array_like, shape (experts,)
+        Non-negative loads.
+    num_gpus : int
+        GPUs of two slots each (``2 * num_gpus >= experts``).
+    max_load : float
+        The largest GPU load allowed.
+    time_limit_s : float, optional
+        HiGHS time limit.
+
+    Returns
+    -------
+    (ndarray of int64 of shape (experts,) or None, bool)
+        Counts summing to ``2 * num_gpus`` (``None`` if there are none) and whether the
+        answer is proven (``False`` when the time limit stopped HiGHS first).
+
+    Examples
+    --------
+    >>> counts, proven = two_slot_feasible([100.0, 1.0, 1.0, 1.0, 1.0], num_gpus=3, max_load=51)
+    >>> counts.tolist(), proven
+    ([2, 1, 1, 1, 1], True)
+    >>> two_slot_feasible([100.0, 1.0, 1.0, 1.0, 1.0], num_gpus=3, max_load=50.9)
+    (None, True)
+    """
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import coo_matrix
+
+    w = np.asarray(w, dtype=np.float64)
+    num_log = w.shape[0]
+    num_phy = 2 * num_gpus
+    t = float(max_load)
+    if not np.isfinite(t) or t < 0:
+        raise ValueError(f"max_load: must be finite and >= 0, got {max_load}")
+    eps = 1e-12 * t
+    if t <= 0:
+        ok = bool((w <= 0).all())
+        return (_fill_counts(w, np.ones(num_log, dtype=np.int64), num_phy) if ok else None), True
+    low = np.maximum(1, np.ceil(w / t - 1e-12)).astype(np.int64)
+    spare = num_phy - int(low.sum())
+    if spare < 0:
+        return None, True
+    opt_e = np.repeat(np.arange(num_log), spare + 1)
+    opt_c = (low[:, None] + np.arange(spare + 1)[None, :]).ravel()
+    size = w[opt_e] / opt_c
+    big = size > 0.5 * t + eps
+    if not big.any():
+        return _fill_counts(w, low, num_phy), True
+    rows = [opt_e, np.full(size.shape[0], num_log)]
+    cols = [np.arange(size.shape[0])] * 2
+    vals = [np.ones(size.shape[0]), opt_c.astype(np.float64)]
+    lo = [np.ones(num_log), [-np.inf]]
+    hi = [np.ones(num_log), [float(num_phy)]]
+    # Hall rows: replicas >= x (each at most T - x away from a partner) minus replicas <= T - x.
+    for k, x in enumerate(np.unique(size[big])):
+        demand = np.flatnonzero(size >= x - eps)
+        supply = np.flatnonzero(size <= t - x + eps)
+        rows.append(np.full(demand.shape[0] + supply.shape[0], num_log + 1 + k))
+        cols.append(np.concatenate([demand, supply]))
+        vals.append(np.concatenate([opt_c[demand], -opt_c[supply]]).astype(np.float64))
+    num_rows = num_log + 1 + k + 1
+    lo.append(np.full(k + 1, -np.inf))
+    hi.append(np.zeros(k + 1))
+    a = coo_matrix(
+        (np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))),
+        shape=(num_rows, size.shape[0]),
+    ).tocsr()
+    options = {} if time_limit_s is None else {"time_limit": float(time_limit_s)}
+    res = milp(
+        np.zeros(size.shape[0]),
+        constraints=LinearConstraint(a, np.concatenate(lo), np.concatenate(hi)),
+        integrality=np.ones(size.shape[0]),
+        bounds=Bounds(0, 1),
+        options=options,
+    )
+    if res.status == 2:
+        return None, True
+    if res.x is None:
+        return None, False
+    chosen = res.x > 0.5
+    counts = np.zeros(num_log, dtype=np.int64)
+    counts[opt_e[chosen]] = opt_c[chosen]
+    return _fill_counts(w, counts, num_phy), True
+
+
+def _fill_counts(w: np.ndarray, counts: np.ndarray, num_phy: int) -> np.ndarray:
+    """Hand the slots left to the expert of the smallest replica, one at a time: a replica of
+    at most ``T / 2`` only adds partners, so the pairing stays within ``T``."""
+    counts = counts.copy()
+    for _ in range(num_phy - int(counts.sum())):
+        counts[int(np.argmin(w / counts))] += 1
+    return counts
+
+
+def pairing_max_load(w: Any, counts: Any, /) -> float:
+    """Largest GPU load of the sorted pairing of the replicas of ``counts`` (two slots).
+
+    Examples
+    --------
+    >>> pairing_max_load([100.0, 1.0, 1.0, 1.0, 1.0], [2, 1, 1, 1, 1])
+    51.0
+    """
+    w = np.asarray(w, dtype=np.float64)
+    counts = np.asarray(counts, dtype=np.int64)
+    items = np.sort(np.repeat(w / counts, counts))
+    half = items.shape[0] // 2
+    return float((items[:half] + items[::-1][:half]).max())
+
+
+def optimal_two_slot(
+    w: Any,
+    /,
+    *,
+    num_gpus: int,
+    upper_counts: Any = None,
+    lower_bound: float = 0.0,
+    rel_gap: float = 1e-9,
+    time_limit_s: float | None = None,
+) -> tuple[float, float, np.ndarray, bool]:
+    """Smallest possible largest GPU load with two slots per GPU, by bisection on
+    :func:`two_slot_feasible`.
+
+    Starts from the counts ``upper_counts`` (e.g. lbkit's plan; the min-max apportionment if
+    ``None``) and ``lower_bound``; first tests ``best * (1 - rel_gap)``, so that a plan which
+    is already optimal costs one test. A feasible test lowers the best to the pairing of the
+    counts found; an infeasible one raises the proven lower limit.
+
+    Parameters
+    ----------
+    w : array_like, shape (experts,)
+    num_gpus : int
+    upper_counts : array_like of int, optional
+        Counts of a known plan.
+    lower_bound : float
+        A valid lower bound on the optimum (e.g. ``lbkit.eplb.lower_bound`` times the mean).
+    rel_gap : float
+        Stop once the proven lower limit is within this relative gap of the best plan.
+    time_limit_s : float, optional
+        HiGHS time limit per test; a test stopped by it ends the search unproven.
+
+    Returns
+    -------
+    (float, float, ndarray, bool)
+        The best largest GPU load found, the proven lower limit (the optimum lies between),
+        its counts, and whether the gap was closed to ``rel_gap``.
+
+    Examples
+    --------
+    >>> best, low, counts, proven = optimal_two_slot([100.0, 1.0, 1.0, 1.0, 1.0], num_gpus=3)
+    >>> best, counts.tolist(), proven
+    (51.0, [2, 1, 1, 1, 1], True)
+    """
+    w = np.asarray(w, dtype=np.float64)
+    if upper_counts is None:
+        from lbkit.eplb._kernels import apportion_minmax
+
+        upper_counts = np.empty(w.shape[0], dtype=np.int64)
+        apportion_minmax(w, 2 * num_gpus, upper_counts)
+    counts = np.asarray(upper_counts, dtype=np.int64).copy()
+    best = pairing_max_load(w, counts)
+    low = float(lower_bound)
+    first = True
+    while low < best * (1.0 - rel_gap):
+        t = best * (1.0 - rel_gap) if first else max(0.5 * (low + best), low)
+        first = False
+        found, proven = two_slot_feasible(
+            w, num_gpus=num_gpus, max_load=t, time_limit_s=time_limit_s
+        )
+        if not proven:
+            return best, low, counts, False
+        if found is None:
+            low = t
+        else:
+            counts = found
+            best = min(best, pairing_max_load(w, found))
+    return best, low, counts, True
