@@ -180,6 +180,63 @@ def _excess(x, target):
 
 
 @jit
+def _replace_cost(cur, hold, g, out_e, in_e):
+    """Change in moves when GPU ``g`` gives up a replica of ``out_e`` for one of ``in_e``
+    (``cur`` the current per-GPU counts, ``hold`` the old ones): ``-1`` if the replica given up
+    was a move (``cur > hold``), ``+1`` if the one received is one (``cur >= hold``)."""
+    cost = 0
+    if cur[g, out_e] > hold[g, out_e]:
+        cost -= 1
+    if cur[g, in_e] >= hold[g, in_e]:
+        cost += 1
+    return cost
+
+
+@jit
+def _swap_cost(cur, hold, h, a, k, b):
+    """Change in moves when GPU ``h`` gives a replica of ``a`` to GPU ``k`` for one of ``b``."""
+    return _replace_cost(cur, hold, h, a, b) + _replace_cost(cur, hold, k, b, a)
+
+
+@jit
+def _step_score(red, cost, best_free, best_score):
+    """Score of a descent step lowering the excess by ``red`` for ``cost`` moves: ``red`` when
+    free (``cost <= 0``), else ``red / cost``; ``-1`` unless it beats the best step so far
+    (``best_free``, ``best_score``; a free step beats every paid one)."""
+    if cost <= 0:
+        if best_free and red <= best_score:
+            return -1.0
+        return red
+    if best_free or red / cost <= best_score:
+        return -1.0
+    return red / cost
+
+
+@jit
+def _apply_swap(gpu_exp, cur, h, i, k, j):
+    """Exchange slot ``i`` of GPU ``h`` with slot ``j`` of GPU ``k`` (``cur`` kept in step)."""
+    a = gpu_exp[h, i]
+    b = gpu_exp[k, j]
+    gpu_exp[h, i] = b
+    gpu_exp[k, j] = a
+    cur[h, a] -= 1
+    cur[k, a] += 1
+    cur[k, b] -= 1
+    cur[h, b] += 1
+
+
+@jit
+def _apply_replace(gpu_exp, cur, cnt, h, i, b):
+    """Give slot ``i`` of GPU ``h`` to expert ``b`` (a count change; ``cur``, ``cnt`` kept)."""
+    a = gpu_exp[h, i]
+    gpu_exp[h, i] = b
+    cur[h, a] -= 1
+    cur[h, b] += 1
+    cnt[a] -= 1
+    cnt[b] += 1
+
+
+@jit
 def _descend(w, size, cnt, hold, cur, gpu_exp, load, target, budget, moves, max_steps, cur_tmp):
     """Lower the total excess ``sum_g max(0, load[g] - target)`` step by step (see
     :func:`replan_subproblem`, step 3), at most ``max_steps`` steps. Updates ``cnt``, ``size``,
@@ -226,11 +283,10 @@ def _descend(w, size, cnt, hold, cur, gpu_exp, load, target, budget, moves, max_
                 if cnt[a] < 2:
                     continue
                 grow = w[a] / (cnt[a] - 1) - size[a]
-                out_cost = -1 if cur[h, a] > hold[h, a] else 0
                 for b in range(num_log):
                     if b == a or cur[h, b] > 0 or not (h_heavy or hot[b]):
                         continue
-                    cost = out_cost + (1 if cur[h, b] >= hold[h, b] else 0)
+                    cost = _replace_cost(cur, hold, h, a, b)
                     if moves + cost > budget:
                         continue
                     if cost > 0 and best_free:
@@ -262,15 +318,10 @@ def _descend(w, size, cnt, hold, cur, gpu_exp, load, target, budget, moves, max_
                         red += _excess(load[g], target) - _excess(load[g] + dl[g], target)
                     if red <= tol:
                         continue
-                    if cost <= 0:
-                        score = red
-                        if best_free and score <= best_score:
-                            continue
-                        best_free = True
-                    else:
-                        score = red / cost
-                        if score <= best_score:
-                            continue
+                    score = _step_score(red, cost, best_free, best_score)
+                    if score < 0.0:
+                        continue
+                    best_free = cost <= 0
                     best_score = score
                     kind = 0
                     bh = h
@@ -298,28 +349,13 @@ def _descend(w, size, cnt, hold, cur, gpu_exp, load, target, budget, moves, max_
                         )
                         if red <= tol:
                             continue
-                        cost = 0
-                        if cur[h, a] > hold[h, a]:
-                            cost -= 1
-                        if cur[k, a] >= hold[k, a]:
-                            cost += 1
-                        if cur[k, b] > hold[k, b]:
-                            cost -= 1
-                        if cur[h, b] >= hold[h, b]:
-                            cost += 1
+                        cost = _swap_cost(cur, hold, h, a, k, b)
                         if moves + cost > budget:
                             continue
-                        if cost <= 0:
-                            if best_free and red <= best_score:
-                                continue
-                            best_free = True
-                            score = red
-                        else:
-                            if best_free:
-                                continue
-                            score = red / cost
-                            if score <= best_score:
-                                continue
+                        score = _step_score(red, cost, best_free, best_score)
+                        if score < 0.0:
+                            continue
+                        best_free = cost <= 0
                         best_score = score
                         kind = 1
                         bh = h
@@ -366,28 +402,16 @@ def _descend(w, size, cnt, hold, cur, gpu_exp, load, target, budget, moves, max_
                         for q in range(m - 1, -1, -1):
                             g = cg[q]
                             e_out = gpu_exp[g, ci[q]]
-                            if cur[g, e_out] > hold[g, e_out]:
-                                cost -= 1
-                            if cur[g, prev_e] >= hold[g, prev_e]:
-                                cost += 1
+                            cost += _replace_cost(cur, hold, g, e_out, prev_e)
                             red += _excess(load[g], target) - _excess(
                                 load[g] - size[e_out] + size[prev_e], target
                             )
                             prev_e = e_out
-                        if cur[ck, a1] >= hold[ck, a1]:
-                            cost += 1
-                        c = gpu_exp[ck, cj]
-                        if cur[ck, c] > hold[ck, c]:
-                            cost -= 1
+                        cost += _replace_cost(cur, hold, ck, gpu_exp[ck, cj], a1)
                         red += _excess(load[ck], target) - _excess(ck_load, target)
                         if red > tol and moves + cost <= budget:
-                            if cost <= 0:
-                                ok = not best_free or red > best_score
-                                score = red
-                            else:
-                                score = red / cost
-                                ok = not best_free and score > best_score
-                            if ok:
+                            score = _step_score(red, cost, best_free, best_score)
+                            if score >= 0.0:
                                 best_free = cost <= 0
                                 best_score = score
                                 kind = 2
@@ -438,22 +462,11 @@ def _descend(w, size, cnt, hold, cur, gpu_exp, load, target, budget, moves, max_
             gpu_exp[bk, bj] = a1
         elif kind == 0:
             a = gpu_exp[bh, bi]
-            gpu_exp[bh, bi] = bb
-            cur[bh, a] -= 1
-            cur[bh, bb] += 1
-            cnt[a] -= 1
-            cnt[bb] += 1
+            _apply_replace(gpu_exp, cur, cnt, bh, bi, bb)
             size[a] = w[a] / cnt[a]
             size[bb] = w[bb] / cnt[bb]
         else:
-            a = gpu_exp[bh, bi]
-            b = gpu_exp[bk, bj]
-            gpu_exp[bh, bi] = b
-            gpu_exp[bk, bj] = a
-            cur[bh, a] -= 1
-            cur[bk, a] += 1
-            cur[bk, b] -= 1
-            cur[bh, b] += 1
+            _apply_swap(gpu_exp, cur, bh, bi, bk, bj)
         _loads(size, gpu_exp, load)
         moves = _moves(hold, gpu_exp, cur_tmp)
     return moves
@@ -489,8 +502,7 @@ def _reclaim(w, hold, gpu_exp, cap, max_steps):
         for h in range(num_gpus):
             for i in range(slots):
                 a = gpu_exp[h, i]
-                out_save = 1 if cur[h, a] > hold[h, a] else 0
-                if out_save == 0:
+                if cur[h, a] <= hold[h, a]:
                     continue  # only a replica that was a move can be given back
                 for k in range(num_gpus):
                     if k == h or cur[k, a] > 0:
@@ -499,13 +511,7 @@ def _reclaim(w, hold, gpu_exp, cap, max_steps):
                         b = gpu_exp[k, j]
                         if cur[h, b] > 0:
                             continue
-                        save = out_save
-                        if cur[k, b] > hold[k, b]:
-                            save += 1
-                        if cur[k, a] >= hold[k, a]:
-                            save -= 1
-                        if cur[h, b] >= hold[h, b]:
-                            save -= 1
+                        save = -_swap_cost(cur, hold, h, a, k, b)
                         if save <= 0 or save < best_save:
                             continue
                         lh = load[h] - size[a] + size[b]
@@ -529,7 +535,7 @@ def _reclaim(w, hold, gpu_exp, cap, max_steps):
                     continue
                 grow = w[a] / (cnt[a] - 1) - size[a]
                 for b in range(num_log):
-                    if b == a or cur[h, b] > 0 or hold[h, b] == 0:
+                    if b == a or cur[h, b] > 0 or _replace_cost(cur, hold, h, a, b) >= 0:
                         continue  # saves a move only if b returns to a GPU that held it
                     nb = w[b] / (cnt[b] + 1)  # b's other replicas shrink: never above cap
                     top = load[h] - size[a] + nb
@@ -549,21 +555,9 @@ def _reclaim(w, hold, gpu_exp, cap, max_steps):
         if kind < 0:
             break
         if kind == 0:
-            a = gpu_exp[bh, bi]
-            gpu_exp[bh, bi] = bb
-            cur[bh, a] -= 1
-            cur[bh, bb] += 1
-            cnt[a] -= 1
-            cnt[bb] += 1
+            _apply_replace(gpu_exp, cur, cnt, bh, bi, bb)
         else:
-            a = gpu_exp[bh, bi]
-            b = gpu_exp[bk, bj]
-            gpu_exp[bh, bi] = b
-            gpu_exp[bk, bj] = a
-            cur[bh, a] -= 1
-            cur[bk, a] += 1
-            cur[bk, b] -= 1
-            cur[bh, b] += 1
+            _apply_swap(gpu_exp, cur, bh, bi, bk, bj)
 
 
 @jit
@@ -782,17 +776,7 @@ def replan_subproblem(w, old_exp, target, budget, max_steps, gpu_exp):
                         continue
                     if cur[h, a] > 0 or cur[gm, b] > 0:
                         continue  # would put two replicas of one expert on a GPU
-                    delta = 0
-                    if cur[gm, a] <= hold[gm, a]:
-                        delta += 0
-                    else:
-                        delta -= 1
-                    if cur[h, a] >= hold[h, a]:
-                        delta += 1
-                    if cur[h, b] > hold[h, b]:
-                        delta -= 1
-                    if cur[gm, b] >= hold[gm, b]:
-                        delta += 1
+                    delta = _swap_cost(cur, hold, gm, a, h, b)
                     if moves + delta > budget:
                         continue
                     if delta <= 0:
@@ -819,9 +803,7 @@ def replan_subproblem(w, old_exp, target, budget, max_steps, gpu_exp):
                 continue
             for k in range(nf):
                 b = fill[k]
-                delta = 1 if cur[gm, b] >= hold[gm, b] else 0
-                if cur[gm, a] > hold[gm, a]:
-                    delta -= 1
+                delta = _replace_cost(cur, hold, gm, a, b)
                 if moves + delta > budget:
                     continue
                 v = _replace_value(size, w, cnt, gpu_exp, load, gm, i, b)
@@ -841,11 +823,7 @@ def replan_subproblem(w, old_exp, target, budget, max_steps, gpu_exp):
                     rb = b
         if ri >= 0 and fi < 0 and (pi < 0 or free_gain > 0.0):
             a = gpu_exp[gm, ri]
-            gpu_exp[gm, ri] = rb
-            cur[gm, a] -= 1
-            cur[gm, rb] += 1
-            cnt[a] -= 1
-            cnt[rb] += 1
+            _apply_replace(gpu_exp, cur, cnt, gm, ri, rb)
             size[a] = w[a] / cnt[a]
             size[rb] = w[rb] / cnt[rb]
             _loads(size, gpu_exp, load)
@@ -859,15 +837,8 @@ def replan_subproblem(w, old_exp, target, budget, max_steps, gpu_exp):
         else:
             break
         if fi != -2:
-            a = gpu_exp[gm, i]
-            b = gpu_exp[h, j]
-            d = size[a] - size[b]
-            gpu_exp[gm, i] = b
-            gpu_exp[h, j] = a
-            cur[gm, a] -= 1
-            cur[h, a] += 1
-            cur[h, b] -= 1
-            cur[gm, b] += 1
+            d = size[gpu_exp[gm, i]] - size[gpu_exp[h, j]]
+            _apply_swap(gpu_exp, cur, gm, i, h, j)
             load[gm] -= d
             load[h] += d
         moves = _moves(hold, gpu_exp, cur_tmp)
