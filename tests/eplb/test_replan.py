@@ -1,8 +1,11 @@
 """replan_experts: valid placements, moves counted by brute force, never worse than keeping the
-old plan, budgets respected, zero drift moves nothing, the move list rebuilds the plan, bad
-input named, JIT parity."""
+old plan, budgets respected, the mean moe_lb within the tolerance of a fresh plan's, the exact
+choice of candidates against brute force, zero drift moves nothing, the move list rebuilds the
+plan, bad input named, JIT parity."""
 
 from __future__ import annotations
+
+import itertools
 
 import numpy as np
 import pytest
@@ -10,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lbkit.eplb import _replan_kernels, check_placement, drift, moe_lb, rebalance_experts
-from lbkit.eplb.replan import apply_moves, replan_experts, replan_tradeoff
+from lbkit.eplb.replan import _select, apply_moves, replan_experts, replan_tradeoff
 
 from .strategies import instances
 
@@ -63,6 +66,72 @@ def test_replan_is_valid_counts_moves_and_never_worse(case, budget):
     src = res.moves.source_gpu
     for lay, e, s in zip(res.moves.layer, res.moves.new_expert, src, strict=True):
         assert s >= 0 and e in old[lay, s * per : (s + 1) * per]
+
+
+@given(replan_cases(), st.sampled_from([0.0, 0.01, 0.05]))
+def test_mean_tolerance_bounds_the_mean_gap_to_a_fresh_plan(case, tol):
+    """Default scope: the mean moe_lb over layers is within ``tolerance`` of a fresh default
+    plan's (always reachable: the fresh plan is a candidate), and per layer never worse than
+    keeping the old plan."""
+    w, old, r, k, n, g, policy = case
+    res = replan_experts(w, old, r, k, n, g, policy=policy, tolerance=tol)
+    fresh = moe_lb(w, rebalance_experts(w, r, k, n, g, policy=policy).phy2log, num_gpus=g)
+    assert res.moe_lb.mean() <= fresh.mean() * (1.0 + tol) * (1.0 + 1e-9)
+    assert (res.moe_lb <= res.previous_moe_lb + 1e-12).all()
+    assert ((res.num_moves == 0) | (res.moe_lb < res.previous_moe_lb)).all()
+    assert np.array_equal(res.num_moves, brute_moves(old, res.plan.phy2log, g))
+
+
+@given(st.data())
+def test_select_is_the_exact_fewest_moves_choice(data):
+    """The candidate choice against enumeration: fewest total moves with the sum of moe_lb
+    within the cap (then the smallest sum), or the smallest sum if nothing fits."""
+    layers = data.draw(st.integers(1, 4))
+    width = data.draw(st.integers(1, 3))
+    size = layers * width
+
+    def grid(elements):
+        return np.array(data.draw(st.lists(elements, min_size=size, max_size=size))).reshape(
+            layers, width
+        )
+
+    moves = grid(st.integers(0, 6))
+    lb = grid(st.floats(1.0, 2.0))
+    missing = grid(st.booleans())
+    missing[:, 0] = False
+    lb[missing] = np.inf
+    cap = data.draw(st.floats(1.0 * layers, 2.0 * layers))
+    choice = _select(moves, lb, cap)
+    rows = np.arange(layers)
+    assert np.isfinite(lb[rows, choice]).all()
+    got = (int(moves[rows, choice].sum()), float(lb[rows, choice].sum()))
+    options = []
+    for pick in itertools.product(range(width), repeat=layers):
+        v = float(lb[rows, list(pick)].sum())
+        if np.isfinite(v):
+            options.append((int(moves[rows, list(pick)].sum()), v))
+    fits = [o for o in options if o[1] <= cap]
+    if fits:
+        want = min(fits)
+        assert got[0] == want[0] and got[1] == pytest.approx(want[1], rel=1e-12)
+    else:
+        want = min(options, key=lambda o: (o[1], o[0]))
+        assert got[1] == pytest.approx(want[1], rel=1e-12)
+
+
+def test_layer_scope_aims_every_layer_at_the_tolerance():
+    """``tolerance_scope="layer"`` re-plans each layer to within the tolerance on its own; the
+    mean scope spends the same mean gap where it saves moves (never more moves here)."""
+    w = np.random.default_rng(2).lognormal(0, 1.0, (6, 256)) * 1000
+    old = rebalance_experts(w, 288, 8, 4, 32, policy="global").phy2log
+    w2 = drift(w, sigma=0.1, rng=5)
+    f = moe_lb(w2, rebalance_experts(w2, 288, 8, 4, 32, policy="global").phy2log, num_gpus=32)
+    per = replan_experts(w2, old, 288, 8, 4, 32, policy="global", tolerance_scope="layer")
+    assert (per.moe_lb <= f * 1.01 * (1 + 1e-9)).all()
+    mean = replan_experts(w2, old, 288, 8, 4, 32, policy="global")
+    assert mean.moe_lb.mean() <= f.mean() * 1.01 * (1 + 1e-9)
+    assert mean.num_moves.sum() <= per.num_moves.sum()
+    assert (mean.moe_lb <= mean.previous_moe_lb).all()
 
 
 @given(replan_cases(), st.integers(0, 12))
@@ -142,6 +211,7 @@ OLD = rebalance_experts(W, 8, 1, 1, 4).phy2log
         ({"max_moves_total": -2}, ValueError, "max_moves_total: must be >= 0"),
         ({"max_moves": 1.5}, TypeError, "max_moves: must be an integer"),
         ({"tolerance": -0.1}, ValueError, "tolerance: must be >= 0"),
+        ({"tolerance_scope": "max"}, ValueError, "tolerance_scope: must be one of"),
         ({"num_gpus": 3}, ValueError, "num_gpus: must divide"),
     ],
 )

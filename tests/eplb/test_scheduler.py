@@ -72,6 +72,8 @@ def test_state_round_trip_through_json():
     t = EplbScheduler.from_state_dict(json.loads(json.dumps(s.state_dict())))
     assert t.state_dict() == s.state_dict()
     assert t.statistics() == s.statistics()
+    layer = make(tolerance_scope="layer")
+    assert EplbScheduler.from_state_dict(layer.state_dict()).state_dict() == layer.state_dict()
     e = make(ema_alpha=0.5)
     e.record(np.ones((3, 16)))
     assert EplbScheduler.from_state_dict(e.state_dict()).statistics() == e.statistics()
@@ -107,6 +109,7 @@ def test_bad_input_leaves_state_intact(call, match):
         ({"window": 2, "robust_windows": 3}, "robust_windows: must be <= window"),
         ({"min_interval_s": -1.0}, "min_interval_s: must be >= 0"),
         ({"max_moves": -1}, "max_moves: must be >= 0"),
+        ({"tolerance_scope": "worst"}, "tolerance_scope: must be one of 'mean', 'layer'"),
         ({"initial_phy2log": np.zeros((3, 20), dtype=int)}, "initial_phy2log: every expert"),
     ],
 )

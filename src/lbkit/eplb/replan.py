@@ -8,12 +8,25 @@ in the old one, counted with multiplicity per ``(layer, GPU, expert)``:
 
 The position of a replica among a GPU's slots is free: unchanged replicas keep their slots.
 
+**Tolerance** (``tolerance_scope``). ``"mean"`` (default): the mean ``moe_lb`` over layers may be
+at most ``1 + tolerance`` times that of a fresh default plan for the new loads. Every layer is
+re-planned at the per-layer tolerances ``t = (0.5, 0.75, 1, 1.4, 2) * tolerance`` (a tighter one
+is skipped when a looser one already reached it); the candidates of a layer are these results,
+the old plan (zero moves) and the fresh plan with its GPUs (and nodes) relabelled to keep the
+most replicas in place (an assignment problem). One candidate per layer is chosen exactly (a
+dynamic programme over the total moves, a multiple-choice knapsack): the fewest total moves
+such that the mean ``moe_lb`` stays within the tolerance, then the lowest mean. Layers where
+balance is cheap take a tight result, layers where it costs many moves a loose one. The fresh
+plan makes the mean target always reachable when the budgets allow it. ``"layer"``: every
+layer is re-planned once at ``t = tolerance``.
+
 Per sub-problem (a layer under the global policy, a node of a layer under the hierarchical one)
-with a target largest GPU load ``T = (1 + tolerance) * max(bound, fresh)`` (``bound`` from
+and per-layer tolerance ``t``, with a target largest GPU load ``T = (1 + t) * max(bound, fresh)``
+(``bound`` from
 :func:`lbkit.eplb.lower_bound` of the sub-problem's new loads, hierarchical: the largest node
 bound of the layer, so that lighter nodes stop earlier; ``fresh`` the largest GPU load of the
-default method's fresh plan for the layer). A layer whose old plan is already within
-``tolerance`` of the fresh plan's ``moe_lb`` is kept as it is (zero drift moves nothing):
+default method's fresh plan for the layer). A layer whose old plan is already within ``t`` of
+the fresh plan's ``moe_lb`` is kept as it is (zero drift moves nothing):
 
 1. **Counts** stay as they were unless a replica is too large for any GPU holding it to reach
    ``T``; then that expert gains a replica from the expert that loses least.
@@ -38,11 +51,12 @@ one), let ``best`` be the smallest largest node load; the assignment kept is the
 the fewest groups among those whose largest node load is at most ``(1 + regroup_tolerance) *
 best`` (then the smaller largest node load, then enumeration order). If the layer then stays
 above ``T`` and the fresh plan's assignment differs, the layer is also re-planned with the fresh
-plan's assignment, kept if its largest GPU load is lower by more than ``tolerance``. Moving a
+plan's assignment, kept if its largest GPU load is lower by more than ``t``. Moving a
 group moves all of its replicas, typically an eighth of a layer's slots or more.
 
-**Budgets**: ``max_moves`` caps moves per layer; ``max_moves_total`` caps their sum. With a total
-budget every layer is re-planned at a ladder of budgets and one result per layer is chosen to
+**Budgets**: ``max_moves`` caps moves per layer (candidates above it are dropped);
+``max_moves_total`` caps their sum. When the result above exceeds the total budget, every layer
+is re-planned at ``t = tolerance`` at a ladder of budgets and one result per layer is chosen to
 minimise the mean ``moe_lb`` within the total (Lagrangian relaxation: the smallest price per move
 at which the chosen results fit, found by bisection). :func:`replan_tradeoff` returns the curve
 of (moves, moe_lb) over a few budgets.
@@ -56,7 +70,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from lbkit.core.validation import as_int_array, check_int, check_real
+from lbkit.core.validation import as_int_array, check_choice, check_int, check_real
 from lbkit.eplb import _replan_kernels
 from lbkit.eplb._plan import EplbPlan, Problem, _finish_plan, _rebalance_iv
 from lbkit.eplb.bounds import lower_bound, moe_lb
@@ -65,6 +79,7 @@ from lbkit.eplb.rebalance import rebalance_experts
 __all__ = [
     "DEFAULT_REGROUP_TOLERANCE",
     "DEFAULT_TOLERANCE",
+    "TOLERANCE_SCOPES",
     "ExpertMoves",
     "ReplanResult",
     "ReplanTradeoff",
@@ -73,10 +88,12 @@ __all__ = [
     "replan_tradeoff",
 ]
 
-#: Relative gap to the fresh plan (or the lower bound, if larger) under which a re-plan stops
-#: moving replicas: every layer aims at 0.8% above a fresh plan, so the mean ``moe_lb`` stays
-#: within 1% of it while few replicas move.
-DEFAULT_TOLERANCE = 0.008
+#: Relative gap of the mean ``moe_lb`` over layers to a fresh default plan's that a re-plan may
+#: keep (``tolerance_scope="mean"``; per layer with ``"layer"``).
+DEFAULT_TOLERANCE = 0.01
+
+#: Values of ``tolerance_scope=``: the tolerance bounds the mean over layers, or every layer.
+TOLERANCE_SCOPES = ("mean", "layer")
 
 #: Relative loss of node balance accepted to keep groups on their old nodes (hierarchical).
 DEFAULT_REGROUP_TOLERANCE = 0.005
@@ -170,6 +187,7 @@ class _Replan(NamedTuple):
     budget: np.ndarray  # (layers,) int64
     total: int | None
     tolerance: float
+    scope: str  # "mean" or "layer"
     regroup_tolerance: float
     num_groups: int  # as given (the problem holds (1, 1) under the global policy)
     num_nodes: int
@@ -187,6 +205,7 @@ def _replan_iv(
     max_moves_total: Any,
     tolerance: Any,
     regroup_tolerance: Any,
+    tolerance_scope: Any = "mean",
 ) -> _Replan:
     problem = _rebalance_iv(weight, num_replicas, num_groups, num_nodes, num_gpus, policy)
     layers, experts = problem.weight.shape
@@ -225,8 +244,17 @@ def _replan_iv(
         total = check_int(max_moves_total, "max_moves_total", min_value=0)
     tolerance = check_real(tolerance, "tolerance", min_value=0.0)
     regroup_tolerance = check_real(regroup_tolerance, "regroup_tolerance", min_value=0.0)
+    scope = check_choice(tolerance_scope, "tolerance_scope", TOLERANCE_SCOPES)
     return _Replan(
-        problem, prev, budget, total, tolerance, regroup_tolerance, int(num_groups), int(num_nodes)
+        problem,
+        prev,
+        budget,
+        total,
+        tolerance,
+        scope,
+        regroup_tolerance,
+        int(num_groups),
+        int(num_nodes),
     )
 
 
@@ -332,9 +360,11 @@ def _replan_layer(
     node_bound: np.ndarray,
     fresh_max: float,
     args: _Replan,
+    tol: float,
     budget: int,
 ) -> tuple[np.ndarray, int]:
-    """Re-plan one layer with the given partition; returns ``(phy2log row, moves)``.
+    """Re-plan one layer with the given partition at per-layer tolerance ``tol``; returns
+    ``(phy2log row, moves)``.
 
     ``moves > budget`` means the budget cannot even pay for the replicas the partition forces.
     """
@@ -344,7 +374,7 @@ def _replan_layer(
     g_per_node = p.num_gpus // nodes
     per_gpu = slots // p.num_gpus
     phy_per_node = slots // nodes
-    target = max(float(node_bound.max()), fresh_max) * (1.0 + args.tolerance)
+    target = max(float(node_bound.max()), fresh_max) * (1.0 + tol)
     group_size = experts // (1 if node_of_group is None else args.num_groups)
     new = np.empty(slots, dtype=np.int64)
     jobs = []
@@ -398,12 +428,26 @@ def _node_bounds(w: np.ndarray, partitions: np.ndarray | None, args: _Replan) ->
     return (lb * wn.sum(axis=1) / gpn).reshape(layers, nodes)
 
 
-def _replan_all(args: _Replan, budgets: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Re-plan every layer under per-layer budgets: ``(phy2log, moves, regrouped)``."""
+class _Context(NamedTuple):
+    """What every re-plan of a problem shares: partitions, bounds and the fresh plan."""
+
+    partitions: np.ndarray | None  # (layers, groups) node of each group, chosen by the rule
+    old_parts: np.ndarray | None
+    fresh_parts: np.ndarray | None
+    bounds: np.ndarray  # (layers, nodes) under ``partitions``
+    old_bounds: np.ndarray
+    fresh_bounds: np.ndarray | None
+    fresh: np.ndarray  # (layers, R) fresh default plan
+    fresh_lb: np.ndarray  # (layers,) its moe_lb
+    fresh_max: np.ndarray  # (layers,) its largest GPU load
+    old_lb: np.ndarray  # (layers,) moe_lb of the old plan under the new loads
+
+
+def _context(args: _Replan) -> _Context:
     p = args.problem
     w, prev = p.weight, args.previous
     layers, experts = w.shape
-    partitions = old_parts = None
+    partitions = old_parts = fresh_parts = fresh_bounds = None
     if p.hierarchical:
         old_parts = _old_partition(prev, experts, args.num_groups, args.num_nodes)
         group_load = w.reshape(layers, args.num_groups, -1).sum(axis=2)
@@ -418,75 +462,205 @@ def _replan_all(args: _Replan, budgets: np.ndarray) -> tuple[np.ndarray, np.ndar
     policy = "hierarchical" if p.hierarchical else "global"
     fresh = rebalance_experts(
         w, p.num_replicas, args.num_groups, args.num_nodes, p.num_gpus, policy=policy
-    )
-    fresh_lb = moe_lb(w, fresh.phy2log, num_gpus=p.num_gpus)
-    fresh_max = fresh_lb * w.sum(axis=1) / p.num_gpus
-    stale_lb = moe_lb(w, prev, num_gpus=p.num_gpus)
+    ).phy2log
+    fresh_lb = moe_lb(w, fresh, num_gpus=p.num_gpus)
     bounds = _node_bounds(w, partitions, args)
-    old_bounds = _node_bounds(w, old_parts, args) if p.hierarchical else bounds
-    fresh_parts = fresh_bounds = None
+    old_bounds = bounds
     if p.hierarchical:
-        fresh_parts = _old_partition(fresh.phy2log, experts, args.num_groups, args.num_nodes)
+        old_bounds = _node_bounds(w, old_parts, args)
+        fresh_parts = _old_partition(fresh, experts, args.num_groups, args.num_nodes)
         fresh_bounds = _node_bounds(w, fresh_parts, args)
-    phy2log = prev.copy()
+    return _Context(
+        partitions,
+        old_parts,
+        fresh_parts,
+        bounds,
+        old_bounds,
+        fresh_bounds,
+        fresh,
+        fresh_lb,
+        fresh_lb * w.sum(axis=1) / p.num_gpus,
+        moe_lb(w, prev, num_gpus=p.num_gpus),
+    )
+
+
+def _row_max(w: np.ndarray, row: np.ndarray, num_gpus: int) -> float:
+    """Largest GPU load of one layer's ``phy2log`` row."""
+    cnt = np.bincount(row, minlength=len(w))
+    return float((w[row] / cnt[row]).reshape(num_gpus, -1).sum(axis=1).max())
+
+
+def _replan_one(
+    args: _Replan, ctx: _Context, layer: int, tol: float, budget: int
+) -> tuple[np.ndarray, int, bool]:
+    """Re-plan one layer at per-layer tolerance ``tol``: ``(row, moves, regrouped)``; the old
+    row with zero moves unless the result is strictly better than keeping it."""
+    p = args.problem
+    w, prev = p.weight[layer], args.previous[layer]
+    fresh_max = float(ctx.fresh_max[layer])
+    if ctx.old_lb[layer] <= ctx.fresh_lb[layer] * (1.0 + tol):
+        return prev.copy(), 0, False  # the old plan is as good as a fresh one: nothing to move
+    part = None if ctx.partitions is None else ctx.partitions[layer]
+    row, used = _replan_layer(w, prev, part, ctx.bounds[layer], fresh_max, args, tol, budget)
+    if used > budget and part is not None:
+        part = ctx.old_parts[layer]
+        row, used = _replan_layer(
+            w, prev, part, ctx.old_bounds[layer], fresh_max, args, tol, budget
+        )
+    if used > budget:
+        row, used = prev.copy(), 0
+    if part is not None and not np.array_equal(part, ctx.fresh_parts[layer]):
+        # Short of the fresh plan's balance: try the fresh plan's group-to-node assignment.
+        lb_row = _row_max(w, row, p.num_gpus)
+        if lb_row > fresh_max * (1.0 + tol) * (1.0 + 1e-9):
+            fp = ctx.fresh_parts[layer]
+            row2, used2 = _replan_layer(
+                w, prev, fp, ctx.fresh_bounds[layer], fresh_max, args, tol, budget
+            )
+            if used2 <= budget and _row_max(w, row2, p.num_gpus) < lb_row * (1.0 - tol):
+                row, used, part = row2, used2, fp
+    # Never worse than keeping the old plan, and strictly better if anything moves.
+    new_lb = moe_lb(w[None, :], row[None, :], num_gpus=p.num_gpus)[0]
+    old_lb = ctx.old_lb[layer]
+    if new_lb > old_lb or (used > 0 and new_lb >= old_lb * (1.0 - 1e-12)):
+        return prev.copy(), 0, False
+    regrouped = part is not None and not np.array_equal(part, ctx.old_parts[layer])
+    return row, used, bool(regrouped)
+
+
+def _replan_all(args: _Replan, budgets: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Re-plan every layer at the per-layer tolerance: ``(phy2log, moves, regrouped)``."""
+    ctx = _context(args)
+    layers = args.previous.shape[0]
+    phy2log = args.previous.copy()
     moves = np.zeros(layers, dtype=np.int64)
     regrouped = np.zeros(layers, dtype=bool)
     for layer in range(layers):
-        if stale_lb[layer] <= fresh_lb[layer] * (1.0 + args.tolerance):
-            continue  # the old plan is as good as a fresh one: nothing to move
-        part = None if partitions is None else partitions[layer]
-        row, used = _replan_layer(
-            w[layer],
-            prev[layer],
-            part,
-            bounds[layer],
-            fresh_max[layer],
-            args,
-            int(budgets[layer]),
+        phy2log[layer], moves[layer], regrouped[layer] = _replan_one(
+            args, ctx, layer, args.tolerance, int(budgets[layer])
         )
-        if used > budgets[layer] and part is not None:
-            part = old_parts[layer]
-            row, used = _replan_layer(
-                w[layer],
-                prev[layer],
-                part,
-                old_bounds[layer],
-                fresh_max[layer],
-                args,
-                int(budgets[layer]),
-            )
-        if used > budgets[layer]:
-            row, used = prev[layer].copy(), 0
-        if part is not None and not np.array_equal(part, fresh_parts[layer]):
-            # Short of the fresh plan's balance: try the fresh plan's group-to-node assignment.
-            cnt = np.bincount(row, minlength=experts)
-            lb_row = (w[layer][row] / cnt[row]).reshape(p.num_gpus, -1).sum(axis=1).max()
-            if lb_row > fresh_max[layer] * (1.0 + args.tolerance) * (1.0 + 1e-9):
-                row2, used2 = _replan_layer(
-                    w[layer],
-                    prev[layer],
-                    fresh_parts[layer],
-                    fresh_bounds[layer],
-                    fresh_max[layer],
-                    args,
-                    int(budgets[layer]),
-                )
-                cnt2 = np.bincount(row2, minlength=experts)
-                lb2 = (w[layer][row2] / cnt2[row2]).reshape(p.num_gpus, -1).sum(axis=1).max()
-                if used2 <= budgets[layer] and lb2 < lb_row * (1.0 - args.tolerance):
-                    row, used, part = row2, used2, fresh_parts[layer]
-        phy2log[layer] = row
-        moves[layer] = used
-        if part is not None:
-            regrouped[layer] = not np.array_equal(part, old_parts[layer])
-    # Never worse than keeping the old plan, layer by layer.
-    new_lb = moe_lb(w, phy2log, num_gpus=p.num_gpus)
-    old_lb = moe_lb(w, prev, num_gpus=p.num_gpus)
-    worse = (new_lb > old_lb) | ((new_lb >= old_lb * (1.0 - 1e-12)) & (moves > 0))
-    phy2log[worse] = prev[worse]
-    moves[worse] = 0
-    regrouped[worse] = False
     return phy2log, moves, regrouped
+
+
+def _gpu_counts(row: np.ndarray, num_gpus: int, experts: int) -> np.ndarray:
+    """Replicas of every expert on every GPU of one layer, ``(num_gpus, experts)``."""
+    out = np.zeros((num_gpus, experts), dtype=np.int64)
+    np.add.at(out, (np.arange(len(row)) // (len(row) // num_gpus), row), 1)
+    return out
+
+
+def _matched_fresh(prev: np.ndarray, fresh: np.ndarray, args: _Replan) -> tuple[np.ndarray, int]:
+    """The fresh plan's row with its GPUs (and, hierarchical, nodes) relabelled to keep the most
+    replicas of the old row in place (an assignment problem); ``(row, moves)``."""
+    from scipy.optimize import linear_sum_assignment  # here: importing lbkit.eplb stays light
+
+    p = args.problem
+    experts, gpus = p.weight.shape[1], p.num_gpus
+    per = len(prev) // gpus
+    nodes = args.num_nodes if p.hierarchical else 1
+    gpn = gpus // nodes
+    a, b = _gpu_counts(prev, gpus, experts), _gpu_counts(fresh, gpus, experts)
+    keep = np.minimum(a[:, None, :], b[None, :, :]).sum(axis=2)  # (old GPU, fresh GPU)
+    node_keep = keep.reshape(nodes, gpn, nodes, gpn).sum(axis=(1, 3))
+    _, node_of = linear_sum_assignment(-node_keep)  # fresh node given to each old node
+    row = np.empty_like(prev)
+    for n in range(nodes):
+        m = int(node_of[n])
+        sub = keep[n * gpn : (n + 1) * gpn, m * gpn : (m + 1) * gpn]
+        _, gpu_of = linear_sum_assignment(-sub)
+        for i in range(gpn):
+            g, f = n * gpn + i, m * gpn + int(gpu_of[i])
+            row[g * per : (g + 1) * per] = _place(
+                prev[g * per : (g + 1) * per], fresh[f * per : (f + 1) * per]
+            )
+    moves = int(np.maximum(_gpu_counts(row, gpus, experts) - a, 0).sum())
+    return row, moves
+
+
+def _select(moves: np.ndarray, lb: np.ndarray, cap: float) -> np.ndarray:
+    """Exact choice of one candidate per layer: the fewest total moves such that ``sum(lb) <=
+    cap``, then the smallest ``sum(lb)``; the choice with the smallest ``sum(lb)`` (then fewest
+    moves) if none fits. ``moves`` (int) and ``lb`` are ``(layers, C)``; ``lb = inf`` marks a
+    missing candidate. Dynamic programme over the total moves (a multiple-choice knapsack);
+    ties: lowest candidate index.
+
+    Runtime complexity: O(layers × C × total moves of the largest candidates).
+    """
+    layers, width = lb.shape
+    ok = np.isfinite(lb)
+    m = np.where(ok, moves, 0).astype(np.int64)
+    top = int(np.where(ok, m, 0).max(axis=1).sum())
+    best = np.zeros(top + 1)  # best[t]: smallest sum of lb with exactly t moves so far
+    best[1:] = np.inf
+    arg = np.zeros((layers, top + 1), dtype=np.int64)
+    for i in range(layers):
+        nxt = np.full(top + 1, np.inf)
+        for c in range(width):
+            if not ok[i, c]:
+                continue
+            k = int(m[i, c])
+            cand = np.full(top + 1, np.inf)
+            cand[k:] = best[: top + 1 - k] + lb[i, c]
+            better = cand < nxt
+            nxt[better] = cand[better]
+            arg[i, better] = c
+        best = nxt
+    fits = np.flatnonzero(best <= cap)
+    t = int(fits[0]) if len(fits) else int(np.argmin(best))
+    choice = np.empty(layers, dtype=np.int64)
+    for i in range(layers - 1, -1, -1):
+        choice[i] = arg[i, t]
+        t -= int(m[i, choice[i]])
+    return choice
+
+
+#: Per-layer tolerances tried in the mean mode, as multiples of ``tolerance``.
+_LEVELS = (0.5, 0.75, 1.0, 1.4, 2.0)
+
+
+def _replan_mean(args: _Replan, budgets: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Mean mode: candidates per layer, then the fewest moves with the mean ``moe_lb`` within
+    ``tolerance`` of the fresh plan's (module docstring)."""
+    p = args.problem
+    ctx = _context(args)
+    prev = args.previous
+    layers = prev.shape[0]
+    levels = sorted({args.tolerance * f for f in _LEVELS}, reverse=True)  # loose first
+    cands: list[list[tuple[int, float, np.ndarray, bool]]] = []
+    for layer in range(layers):
+        budget = int(budgets[layer])
+        w = p.weight[layer]
+        opts = [(0, float(ctx.old_lb[layer]), prev[layer], False)]
+        if ctx.old_lb[layer] > ctx.fresh_lb[layer] * (1.0 + min(levels)):
+            row, used = _matched_fresh(prev[layer], ctx.fresh[layer], args)
+            if used <= budget:
+                f_lb = float(moe_lb(w[None, :], row[None, :], num_gpus=p.num_gpus)[0])
+                parts = ctx.old_parts
+                regroup = parts is not None and not np.array_equal(
+                    _old_partition(row[None, :], len(w), args.num_groups, args.num_nodes)[0],
+                    parts[layer],
+                )
+                opts.append((used, f_lb, row, bool(regroup)))
+        reached = np.inf
+        for tol in levels:
+            if reached <= ctx.fresh_lb[layer] * (1.0 + tol) * (1.0 + 1e-12):
+                continue  # a looser level's result already meets this one
+            row, used, regroup = _replan_one(args, ctx, layer, tol, budget)
+            v = float(moe_lb(w[None, :], row[None, :], num_gpus=p.num_gpus)[0])
+            reached = min(reached, v)
+            if used > 0:
+                opts.append((used, v, row, regroup))
+        cands.append(opts)
+    width = max(len(c) for c in cands)
+    m = np.zeros((layers, width), dtype=np.int64)
+    v = np.full((layers, width), np.inf)
+    for i, opts in enumerate(cands):
+        for j, (used, lb, _, _) in enumerate(opts):
+            m[i, j], v[i, j] = used, lb
+    choice = _select(m, v, float(ctx.fresh_lb.sum()) * (1.0 + args.tolerance))
+    phy2log = np.stack([cands[i][choice[i]][2] for i in range(layers)])
+    regrouped = np.array([cands[i][choice[i]][3] for i in range(layers)], dtype=bool)
+    return phy2log, m[np.arange(layers), choice], regrouped
 
 
 def _budget_ladder(limit: int) -> list[int]:
@@ -576,6 +750,7 @@ def replan_experts(
     max_moves: Any = None,
     max_moves_total: int | None = None,
     tolerance: float = DEFAULT_TOLERANCE,
+    tolerance_scope: str = "mean",
     regroup_tolerance: float = DEFAULT_REGROUP_TOLERANCE,
 ) -> ReplanResult:
     """Plan replicas for new loads starting from ``previous_phy2log``, moving few replicas.
@@ -597,8 +772,13 @@ def replan_experts(
     max_moves_total : int, optional
         Moves allowed over all layers (default: unlimited); combined with ``max_moves``.
     tolerance : float, default :data:`DEFAULT_TOLERANCE`
-        A sub-problem stops moving replicas once its largest GPU load is within this relative
-        gap of ``max(lower bound, fresh default plan)`` (module docstring).
+        Relative gap to a fresh default plan on the new loads that the re-plan may keep: of
+        the mean ``moe_lb`` over layers (``tolerance_scope="mean"``), or the per-layer target
+        of every sub-problem, ``max(lower bound, fresh plan)`` (``"layer"``; module docstring).
+    tolerance_scope : {"mean", "layer"}, default "mean"
+        ``"mean"``: fewest moves with ``mean(moe_lb) <= (1 + tolerance) * mean(fresh moe_lb)``
+        (guaranteed unless ``max_moves`` excludes the fresh plan for a layer); ``"layer"``:
+        one re-plan per layer at the tolerance (about five times faster, more moves).
     regroup_tolerance : float, default :data:`DEFAULT_REGROUP_TOLERANCE`
         Hierarchical policy: node balance given up to keep groups on their nodes (module
         docstring).
@@ -609,8 +789,8 @@ def replan_experts(
         ``plan`` (a valid placement), ``moves`` (one entry per move; applying them to the old
         plan gives the new one, see :func:`apply_moves`), ``num_moves``, ``moe_lb`` and
         ``previous_moe_lb`` per layer, ``regrouped``. Per layer, ``moe_lb <=
-        previous_moe_lb``, ``num_moves <= max_moves`` and the sum is at most
-        ``max_moves_total``.
+        previous_moe_lb`` (strictly where replicas move), ``num_moves <= max_moves`` and the
+        sum is at most ``max_moves_total``.
 
     Raises
     ------
@@ -619,11 +799,12 @@ def replan_experts(
     ValueError
         Everything :func:`lbkit.eplb.rebalance_experts` rejects; ``previous_phy2log`` of the
         wrong shape, naming unknown experts, missing an expert or (hierarchical) splitting a
-        group across nodes; negative budgets or tolerances.
+        group across nodes; negative budgets or tolerances; an unknown ``tolerance_scope``.
 
     Runtime complexity: O(layers × (lower bound + U × R × (E + R))) for ``U`` descent steps
-    (about one per GPU above target) over ``R`` slots and ``E`` experts per sub-problem; with
-    ``max_moves_total`` about ``log1.5(moves)`` times that.
+    (about one per GPU above target) over ``R`` slots and ``E`` experts per sub-problem, times
+    the five per-layer tolerances in the mean scope, plus O(layers × 7 × total moves) for the
+    choice; with ``max_moves_total`` exceeded about ``log1.5(moves)`` times the layer scope.
 
     Examples
     --------
@@ -635,6 +816,9 @@ def replan_experts(
     >>> r = replan_experts(new_w, old.phy2log, 80, 8, 2, 16, policy="global")
     >>> bool((r.moe_lb <= r.previous_moe_lb).all()), int(r.num_moves.sum()) < 4 * 80 // 4
     (True, True)
+    >>> fresh = rebalance_experts(new_w, 80, 8, 2, 16, policy="global").phy2log
+    >>> bool(r.moe_lb.mean() <= 1.01 * moe_lb(new_w, fresh, num_gpus=16).mean())
+    True
     >>> bool(np.array_equal(apply_moves(old.phy2log, r.moves), r.plan.phy2log))
     True
     """
@@ -650,11 +834,14 @@ def replan_experts(
         max_moves_total,
         tolerance,
         regroup_tolerance,
+        tolerance_scope,
     )
     p = args.problem
-    if args.total is None:
-        phy2log, moves, regrouped = _replan_all(args, args.budget)
+    if args.scope == "mean":
+        phy2log, moves, regrouped = _replan_mean(args, args.budget)
     else:
+        phy2log, moves, regrouped = _replan_all(args, args.budget)
+    if args.total is not None and moves.sum() > args.total:
         phy2log, moves, regrouped = _replan_total(args)
     logcnt = np.zeros_like(p.weight, dtype=np.int64)
     layers, slots = phy2log.shape
@@ -700,6 +887,7 @@ def replan_tradeoff(
     fractions: Any = (0.0, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0),
     policy: str | None = None,
     tolerance: float = DEFAULT_TOLERANCE,
+    tolerance_scope: str = "mean",
     regroup_tolerance: float = DEFAULT_REGROUP_TOLERANCE,
 ) -> ReplanTradeoff:
     """Moves against balance: :func:`replan_experts` at total budgets of ``fractions`` of all
@@ -734,6 +922,7 @@ def replan_tradeoff(
             policy=policy,
             max_moves_total=total,
             tolerance=tolerance,
+            tolerance_scope=tolerance_scope,
             regroup_tolerance=regroup_tolerance,
         )
         rows.append((total, int(r.num_moves.sum()), float(r.moe_lb.mean()), float(r.moe_lb.max())))

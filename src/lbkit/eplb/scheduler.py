@@ -117,8 +117,9 @@ class EplbScheduler:
         Relative drop of the predicted mean ``moe_lb`` required to re-plan.
     robust_windows : int, default 1
         Chunks of the window to plan against (module docstring); window mode only.
-    max_moves, max_moves_total, tolerance
-        Passed to :func:`lbkit.eplb.replan.replan_experts`.
+    max_moves, max_moves_total, tolerance, tolerance_scope
+        Passed to :func:`lbkit.eplb.replan.replan_experts` (default: the mean ``moe_lb`` over
+        layers within 1% of a fresh plan's).
     initial_phy2log : array_like of int, shape (num_layers, num_replicas), optional
         Plan in service; default the plan for uniform loads.
 
@@ -156,6 +157,7 @@ class EplbScheduler:
         max_moves: Any = None,
         max_moves_total: int | None = None,
         tolerance: float = DEFAULT_TOLERANCE,
+        tolerance_scope: str = "mean",
         initial_phy2log: Any = None,
     ) -> None:
         num_layers = check_int(num_layers, "num_layers", min_value=1)
@@ -188,7 +190,8 @@ class EplbScheduler:
             phy2log = self._check_phy2log(initial_phy2log, "initial_phy2log")
         # Validate the budgets once (replan_experts would raise later otherwise).
         _replan_iv(ones, phy2log, *self._sizes, self._policy, max_moves, max_moves_total,
-                   tolerance, 0.0)  # fmt: skip
+                   tolerance, 0.0, tolerance_scope)  # fmt: skip
+        self._scope = str(tolerance_scope)
         self._phy2log = phy2log
         self._recordings: deque[np.ndarray] = deque(maxlen=self._window)
         self._ema: np.ndarray | None = None
@@ -300,6 +303,7 @@ class EplbScheduler:
             max_moves=self._max_moves,
             max_moves_total=self._max_moves_total,
             tolerance=self._tolerance,
+            tolerance_scope=self._scope,
         )
         result = replan_experts(load, self._phy2log, r, k, n, g, **kw)
         new, moves = result.plan.phy2log, result.num_moves
@@ -380,6 +384,7 @@ class EplbScheduler:
                 ),
                 "max_moves_total": self._max_moves_total,
                 "tolerance": self._tolerance,
+                "tolerance_scope": self._scope,
             },
             "phy2log": self._phy2log.tolist(),
             "recordings": [r.tolist() for r in self._recordings],
