@@ -1,7 +1,8 @@
 """Measure the simulator targets: both public traces at utilisation 0.7 and 0.9, plus the default
-workload, 16 prefill engines x 4 ranks and one decode engine of 64 ranks; then a decode-only
-replay of each trace loaded to a realistic batch per rank, and the balance/TTFT trade-off of the
-engine-aware rank choice.
+workload, 16 prefill engines x 4 ranks and one decode engine of 64 ranks; the prefill pool again
+with engine-side work sharing (every policy under each engine model) and where balance is lost;
+then a decode-only replay of each trace loaded to a realistic batch per rank, and the
+balance/TTFT trade-off of the engine-aware rank choice.
 
 Usage: ``python benchmarks/sim_targets.py [--json PATH]`` (tables in the form that
 ``benchmarks/make_performance.py`` renders). Wall-clock rates are noisy on shared machines.
@@ -29,6 +30,47 @@ SCENARIOS = [
 DECODE_BATCHES = (32, 64)
 #: Wake penalties of the trade-off table (seconds; LBKIT_OPTIONS uses 1.0).
 WAKE_PENALTIES = (0.0, 1.0, 3.0, 10.0, 30.0)
+#: Engine models of the work-sharing tables (``simulate_prefill(work_sharing=...)``).
+ENGINES = ("off", "budget", "level")
+
+
+def _ratio(x, y):
+    return round(x / y, 3) if y else None
+
+
+def _sharing(runs):
+    """lbkit and the baselines under each engine model; where lbkit's balance is lost."""
+    rows, loss_rows, prefill_rows = [], [], []
+    for name, u, trace in runs:
+        for eng in ENGINES:
+            rep = run_bench(trace, utilization=u, work_sharing=eng, decode_policies=[]).report
+            p = rep["prefill"]
+            rates = rep["timing"]["requests_per_s"]
+            base = [k for k in p if k not in ("lbkit", "lbkit_nobuckets")]
+            best = min(base, key=lambda k: p[k]["ttft_p99_s"])
+            lb = p["lbkit"]
+            rows.append([name, u, eng, round(lb["balance_efficiency"], 4),
+                         round(lb["ttft_p50_s"], 3), round(lb["ttft_p99_s"], 3),
+                         _ratio(lb["ttft_p99_s"], p["round_robin"]["ttft_p99_s"]),
+                         _ratio(lb["ttft_p99_s"], p[best]["ttft_p99_s"]), best,
+                         lb["moves"], round(rates["prefill/lbkit"]),
+                         round(min(v for v in rates.values() if v))])  # fmt: skip
+            print("sharing", rows[-1], flush=True)
+            loss = lb["balance_loss"]
+            share = loss["step_time_share_by_busy_ranks"]
+            loss_rows.append([name, u, eng, round(loss["total"], 4), round(loss["idle_ranks"], 4),
+                              round(loss["unequal_busy_ranks"], 4)]
+                             + [round(x, 3) for x in share[1:]]
+                             + [round(loss["few_requests_step_time_share"], 3),
+                                round(loss["few_requests_balance"], 3),
+                                round(loss["few_requests_loss"], 4)])  # fmt: skip
+            if eng != "off":
+                for pol, m in p.items():
+                    prefill_rows.append([name, u, eng, pol, round(m["balance_efficiency"], 4),
+                                         round(m["ttft_p50_s"], 3), round(m["ttft_p99_s"], 3),
+                                         m["finished"], m["moves"],
+                                         round(rates[f"prefill/{pol}"])])  # fmt: skip
+    return rows, loss_rows, prefill_rows
 
 
 def _prefill_scenarios(runs):
@@ -97,13 +139,15 @@ def _wake_sweep(name, trace, u):
     cost = PRESETS["h800_dsv3"].prefill
     scaled, _ = scale_to_utilization(trace, u, num_ranks=64, cost=cost)
     rows = []
-    for wake in WAKE_PENALTIES:
-        pol = LbkitPrefill(16, 4, cost=cost, rng=0, **{**LBKIT_OPTIONS, "wake_penalty_s": wake})
-        m = prefill_metrics(simulate_prefill(scaled, pol, num_engines=16, ranks_per_engine=4,
-                                             cost=cost, rng=0))  # fmt: skip
-        rows.append([name, u, wake, round(m["balance_efficiency"], 4), round(m["ttft_p50_s"], 3),
-                     round(m["ttft_p99_s"], 3)])  # fmt: skip
-        print("wake", rows[-1], flush=True)
+    for eng in ("off", "level"):
+        for wake in WAKE_PENALTIES:
+            opts = {**LBKIT_OPTIONS, "wake_penalty_s": wake}
+            pol = LbkitPrefill(16, 4, cost=cost, rng=0, **opts)
+            m = prefill_metrics(simulate_prefill(scaled, pol, num_engines=16, ranks_per_engine=4,
+                                                 cost=cost, rng=0, work_sharing=eng))  # fmt: skip
+            rows.append([name, u, eng, wake, round(m["balance_efficiency"], 4),
+                         round(m["ttft_p50_s"], 3), round(m["ttft_p99_s"], 3)])  # fmt: skip
+            print("wake", rows[-1], flush=True)
     return rows
 
 
@@ -119,6 +163,7 @@ def main() -> None:
             runs += [(name, u, trace) for u in (0.7, 0.9)]
     runs.append(("default", 0.8, default_workload()))
     pre_rows, dec_rows, tgt_rows = _prefill_scenarios(runs)
+    share_rows, loss_rows, share_pre_rows = _sharing(runs)
     do_rows, do_tgt = _decode_only(traces)
     sweep = [row for name, trace in traces for u in (0.7, 0.9)
              for row in _wake_sweep(name, trace, u)]  # fmt: skip
@@ -131,6 +176,31 @@ def main() -> None:
          "columns": ["trace", "U", "prefill balance", "p99 / round robin", "p99 / best baseline",
                      "decode balance", "count imb", "KV imb", "count floor", "slowest req/s"],
          "rows": tgt_rows},
+        {"title": "Prefill targets with engine-side work sharing (lbkit)",
+         "note": "Engine models (simulate_prefill work_sharing): off = each rank plans its own "
+                 "FIFO queue; budget = at each step's start the engine deals the requests that "
+                 "have not started, earliest first, to its least-loaded ranks up to the step "
+                 "budget; level = the same with the step budget lowered to the largest step the "
+                 "engine's requests fill on every rank. Every policy runs under the same engine "
+                 "model; p99 ratios are against round robin and the best baseline (by p99) "
+                 "under that model. Moves: requests the engines moved between ranks (reported "
+                 "to lbkit's ledger).",
+         "columns": ["trace", "U", "engine", "prefill balance", "TTFT p50", "TTFT p99",
+                     "p99 / round robin", "p99 / best baseline", "best baseline", "moves",
+                     "lbkit req/s", "slowest req/s"],
+         "rows": share_rows},
+        {"title": "Where lbkit's prefill balance is lost",
+         "note": "Loss = 1 - balance = sum over engine steps of (max - mean rank time) / sum of "
+                 "max: from idle ranks (a rank with nothing to run while a sibling steps) and "
+                 "from busy ranks that end early. k busy: share of the step time (sum of max) "
+                 "in steps with k of the 4 ranks busy. Few requests: steps of engines holding "
+                 "fewer requests than ranks, which no plan inside the engine can fill (a "
+                 "request runs on one rank): their share of the step time, their balance, and "
+                 "the loss they account for.",
+         "columns": ["trace", "U", "engine", "loss", "idle ranks", "unequal busy", "k=1",
+                     "k=2", "k=3", "k=4", "few requests share", "few requests balance",
+                     "few requests loss"],
+         "rows": loss_rows},
         {"title": "Decode targets at a realistic batch (decode-only replay, lbkit)",
          "note": "Each trace enters the 64-rank decode engine directly, time-scaled so that the "
                  "mean batch per rank is about the target; statistics over the steady window "
@@ -144,6 +214,11 @@ def main() -> None:
          "columns": ["trace", "U", "policy", "balance", "TTFT p50", "TTFT p99", "finished",
                      "refused", "req/s"],
          "rows": pre_rows},
+        {"title": "Prefill pool with work sharing, 16 engines x 4 ranks",
+         "note": "Every policy under the engine model of the engine column; TTFT in seconds.",
+         "columns": ["trace", "U", "engine", "policy", "balance", "TTFT p50", "TTFT p99",
+                     "finished", "moves", "req/s"],
+         "rows": share_pre_rows},
         {"title": "Decode pool, 1 engine x 64 ranks (fed by the lbkit prefill run)",
          "note": "TPOT in ms; count floor = ceil(mean)/mean of integer request counts.",
          "columns": ["trace", "U", "policy", "balance", "count imb", "KV imb", "TPOT p99",
@@ -156,9 +231,10 @@ def main() -> None:
          "rows": do_rows},
         {"title": "Engine-aware rank choice: prefill balance against TTFT (lbkit)",
          "note": "wake_penalty_s: extra seconds a rank of an idle engine counts; the other "
-                 "options as in LBKIT_OPTIONS. Balance rises only as requests queue on engines "
-                 "that already step.",
-         "columns": ["trace", "U", "wake penalty (s)", "balance", "TTFT p50", "TTFT p99"],
+                 "options as in LBKIT_OPTIONS; engine: work sharing off or level. Balance rises "
+                 "only as requests queue on engines that already step.",
+         "columns": ["trace", "U", "engine", "wake penalty (s)", "balance", "TTFT p50",
+                     "TTFT p99"],
          "rows": sweep},
     ]  # fmt: skip
     if args.json:
