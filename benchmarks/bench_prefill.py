@@ -28,18 +28,25 @@ def _warm():
     lbkit.warmup(packages=("prefill",))
 
 
-def _pool(ranks: int) -> PrefillBalancer:
+#: Rank-choice options of the routing benchmark: the plain least quota load, and the
+#: engine-aware choice of the simulator's ``lbkit`` policy (wake penalty and hole filling).
+OPTIONS = {"plain": {}, "engine_aware": {"wake_penalty_s": 1.0, "fill_holes": True}}
+
+
+def _pool(ranks: int, **options) -> PrefillBalancer:
     """One bucket's engines holding all ``ranks`` ranks (4 per engine), with a warm ledger."""
-    bal = PrefillBalancer(ranks // 4, 4, cost=COST, initial_engines=[ranks // 4, 0, 0, 0])
+    bal = PrefillBalancer(ranks // 4, 4, cost=COST, initial_engines=[ranks // 4, 0, 0, 0],
+                          **options)  # fmt: skip
     rng = np.random.default_rng(0)
     for i in range(4 * ranks):
         bal.route(f"w{i}", int(rng.integers(256, 16000)), 0, now_s=0.0)
     return bal
 
 
+@pytest.mark.parametrize("options", list(OPTIONS))
 @pytest.mark.parametrize("ranks", [64])
-def bench_route(benchmark, ranks):
-    bal = _pool(ranks)
+def bench_route(benchmark, ranks, options):
+    bal = _pool(ranks, **OPTIONS[options])
     ids = itertools.count()
 
     def route():
@@ -49,6 +56,22 @@ def bench_route(benchmark, ranks):
     benchmark.pedantic(route, rounds=ROUNDS, iterations=ITERATIONS, warmup_rounds=1)
     bal._check()
     assert bal.statistics().routed == 4 * ranks + next(ids)
+
+
+@pytest.mark.parametrize("ranks", [64])
+def bench_reassign(benchmark, ranks):
+    # An engine moves a queued request between two of its ranks and back (work sharing).
+    bal = _pool(ranks)
+    rid = bal.requests_on(0, 0)[-1]
+
+    def move():
+        bal.reassign(rid, 1, now_s=1.0)
+        bal.reassign(rid, 0, now_s=1.0)
+
+    benchmark.group = f"prefill_reassign|{ranks}"
+    benchmark.pedantic(move, rounds=ROUNDS, iterations=ITERATIONS, warmup_rounds=1)
+    bal._check()
+    assert bal.requests_on(0, 0)[-1] == rid
 
 
 @pytest.mark.parametrize("ranks", [64])

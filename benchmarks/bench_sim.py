@@ -22,10 +22,11 @@ def trace():
                                 cost=COST.prefill)[0]  # fmt: skip
 
 
+@pytest.mark.parametrize("sharing", ["off", "level"])
 @pytest.mark.parametrize("policy", list(PREFILL_POLICIES))
-def bench_prefill_replay(benchmark, trace, policy):
+def bench_prefill_replay(benchmark, trace, policy, sharing):
     benchmark.group = f"simulate_prefill|{N}"
-    run = benchmark(simulate_prefill, trace, policy, cost=COST.prefill)
+    run = benchmark(simulate_prefill, trace, policy, cost=COST.prefill, work_sharing=sharing)
     assert run.finished.sum() == N
 
 
