@@ -1429,10 +1429,11 @@ def _moved_order(order, size, d, r, out):
 
 
 @jit
-def two_slot_counts(w, num_gpus, good_enough, max_steps, cnt):
+def two_slot_counts(w, num_gpus, good_enough, max_steps, fresh, cnt):
     """Replica counts for two slots per GPU by local search on the sorted pairing.
 
-    Starts from the min-max apportionment (:func:`apportion_minmax`). Each step tries moving one
+    Starts from the min-max apportionment (:func:`apportion_minmax`) if ``fresh``, otherwise
+    from the counts in ``cnt``. Each step tries moving one
     replica from a donor (any expert with two or more) to a receiver: the experts of the pairs
     at the maximum, and the ``TWO_SLOT_RECEIVERS`` experts whose new replica would be the
     largest one still below the largest partner at the maximum (a smaller partner is what a
@@ -1443,7 +1444,8 @@ def two_slot_counts(w, num_gpus, good_enough, max_steps, cnt):
     pair sum of the final counts (in ``cnt``).
     """
     num_log = w.shape[0]
-    apportion_minmax(w, 2 * num_gpus, cnt)
+    if fresh:
+        apportion_minmax(w, 2 * num_gpus, cnt)
     size = np.empty(num_log)
     for e in range(num_log):
         size[e] = w[e] / cnt[e]
@@ -1520,6 +1522,142 @@ def two_slot_counts(w, num_gpus, good_enough, max_steps, cnt):
 
 
 @jit
+def _ballot_violation(size, cnt, order, cap):
+    """First replica size ``x > cap / 2`` (largest first) with more replicas ``>= x`` than
+    replicas ``<= cap - x``, as the expert holding it; ``-1`` if there is none. With exactly
+    ``2 G`` replicas, none means the sorted pairing keeps every GPU within ``cap`` (Hall's
+    condition: replicas above ``cap / 2`` need distinct partners of at most ``cap - x``)."""
+    num_log = order.shape[0]
+    tol = _REL_TOL * cap
+    demand = 0
+    supply = 0
+    p = num_log - 1
+    for t in range(num_log):
+        e = order[t]
+        x = size[e]
+        if x <= 0.5 * cap + tol:
+            break
+        demand += cnt[e]
+        while p >= 0 and size[order[p]] <= cap - x + tol:
+            supply += cnt[order[p]]
+            p -= 1
+        if demand > supply:
+            return e
+    return -1
+
+
+@jit
+def _ballot_counts(w, num_gpus, cap, cnt):
+    """Counts meant to pass :func:`_ballot_violation` at ``cap`` (a heuristic; ``False`` when it
+    runs out of slots).
+
+    From the fewest replicas that keep every replica within ``cap``, repeatedly fix the first
+    violation (a replica ``x`` short of partners of at most ``u = cap - x``) with the change that
+    gains most per added replica: one more replica for the expert of ``x`` (its replicas drop
+    below ``x``), or enough replicas for another expert to bring its replicas to at most ``u``
+    (ties: the largest resulting replica, which leaves smaller experts for tighter partners;
+    then the lowest index). Slots left over go, one at a time, to the expert with the smallest
+    replica, which only adds partners.
+    """
+    num_log = w.shape[0]
+    num_phy = 2 * num_gpus
+    size = np.empty(num_log)
+    left = num_phy
+    for e in range(num_log):
+        c = 1
+        if w[e] > cap:
+            c = int(np.ceil(w[e] / cap))
+        cnt[e] = c
+        left -= c
+    if left < 0:
+        return False
+    while True:
+        for e in range(num_log):
+            size[e] = w[e] / cnt[e]
+        order = np.argsort(-size, kind="mergesort")
+        b = _ballot_violation(size, cnt, order, cap)
+        if b < 0:
+            for _ in range(left):
+                s = 0
+                for e in range(1, num_log):
+                    if size[e] < size[s]:
+                        s = e
+                cnt[s] += 1
+                size[s] = w[s] / cnt[s]
+            return True
+        if left == 0:
+            return False
+        u = cap - size[b]
+        best_e = b
+        best_k = 1
+        best_gain = float(cnt[b])
+        best_size = w[b] / (cnt[b] + 1)
+        if u > 0.0:
+            for e in range(num_log):
+                if e == b:
+                    continue
+                if size[e] <= u + _REL_TOL * cap:
+                    k = 1
+                    gain = 1.0
+                else:
+                    c = int(np.ceil(w[e] / u))
+                    if w[e] / c > u + _REL_TOL * cap:
+                        c += 1
+                    k = c - cnt[e]
+                    gain = float(c)
+                if k > left:
+                    continue
+                new_size = w[e] / (cnt[e] + k)
+                if gain * best_k > best_gain * k or (
+                    gain * best_k == best_gain * k and new_size > best_size
+                ):
+                    best_e = e
+                    best_k = k
+                    best_gain = gain
+                    best_size = new_size
+        cnt[best_e] += best_k
+        left -= best_k
+
+
+@jit
+def _two_slot_second_start(w, num_gpus, good_enough, top, cnt):
+    """Second start for :func:`two_slot_counts`: bisection on the cap between the lower bound
+    (``good_enough``) and the local optimum ``top`` with :func:`_ballot_counts` (12 steps),
+    then the local search from the best counts it built. Keeps ``cnt`` unless this is strictly
+    better; returns the largest pair sum."""
+    num_log = w.shape[0]
+    trial = np.empty(num_log, dtype=np.int64)
+    best = np.empty(num_log, dtype=np.int64)
+    size = np.empty(num_log)
+    no_mark = np.zeros(0, dtype=np.bool_)
+    lo = good_enough
+    hi = top
+    best_v = top
+    found = False
+    for _ in range(12):
+        mid = 0.5 * (lo + hi)
+        if not _ballot_counts(w, num_gpus, mid, trial):
+            lo = mid
+            continue
+        for e in range(num_log):
+            size[e] = w[e] / trial[e]
+        order = np.argsort(-size, kind="mergesort")
+        v, _, _ = _pair_walk(size, trial, order, num_gpus, np.inf, no_mark)
+        if v < best_v * (1.0 - _REL_TOL):
+            best_v = v
+            best[:] = trial
+            found = True
+        hi = min(mid, v)
+    if not found:
+        return top
+    v = two_slot_counts(w, num_gpus, good_enough, 8 * num_gpus, False, best)
+    if v < top * (1.0 - _REL_TOL):
+        cnt[:] = best
+        return v
+    return top
+
+
+@jit
 def _pair_out(cnt, order, num_gpus, gpu_exp):
     """Write the sorted pairing: GPU ``g`` gets the ``g``-th largest and ``g``-th smallest
     replica."""
@@ -1561,7 +1699,9 @@ def solve_two_slot(w, num_gpus, stop_gap, target, cnt, gpu_exp):
     good_enough = max(subproblem_bound(w, num_gpus, 2) * (1.0 + stop_gap), target)
     if total <= 0.0:
         good_enough = np.inf
-    two_slot_counts(w, num_gpus, good_enough, 8 * num_gpus, cnt)
+    top = two_slot_counts(w, num_gpus, good_enough, 8 * num_gpus, True, cnt)
+    if top > good_enough:
+        top = _two_slot_second_start(w, num_gpus, good_enough, top, cnt)
     size = np.empty(num_log)
     for e in range(num_log):
         size[e] = w[e] / cnt[e]
