@@ -241,9 +241,10 @@ def test_lbkit_ledger_follows_the_moves(horizon):
         assert i in bal.requests_on(f // 4, f % 4)
 
 
-def test_jit_parity_with_sharing(monkeypatch):
+@pytest.mark.parametrize("mode", ["level", "split"])
+def test_jit_parity_with_sharing(monkeypatch, mode):
     t = synthetic_trace(80, rate_per_s=40.0, rng=3)
-    kw = {"num_engines": 2, "ranks_per_engine": 3, "cost": H800, "work_sharing": "level"}
+    kw = {"num_engines": 2, "ranks_per_engine": 3, "cost": H800, "work_sharing": mode}
     jit = simulate_prefill(t, "least_requests", **kw)
     for name in ("prefill_advance", "prefill_admit", "prefill_alone"):
         monkeypatch.setattr(K, name, getattr(K, name).py_func)
@@ -258,3 +259,68 @@ def test_bad_work_sharing():
     with pytest.raises(ValueError, match="work_sharing: must be one of"):
         simulate_prefill(t, "round_robin", num_engines=1, ranks_per_engine=1, cost=UNIT,
                          work_sharing="steal")  # fmt: skip
+
+
+def test_split_runs_a_lone_prompt_on_every_rank():
+    # One 300-token prompt (345 s of work, unit cost), budget 100 s: alone it needs four steps
+    # of chunks; split over the 4 ranks of its engine the whole prompt fits one step, 1 + 345/4.
+    t = Trace(arrival_s=[0.0], total_tokens=[300], output_tokens=[1])
+    kw = {"num_engines": 1, "ranks_per_engine": 4, "cost": UNIT, "budget_s": 100.0}
+    lv = simulate_prefill(t, RankZero(), work_sharing="level", **kw)
+    sp = simulate_prefill(t, RankZero(), work_sharing="split", **kw)
+    assert lv.busy_steps[1] == lv.num_steps >= 4
+    assert sp.busy_steps.tolist() == [0, 0, 0, 0, 1]
+    assert sp.finish_s[0] == pytest.approx(1.0 + 345.0 / 4)
+    assert sp.tokens_computed == 300 and sp.moves == 0
+    assert prefill_metrics(sp)["balance_efficiency"] == pytest.approx(1.0)
+
+
+def _model_split(sched, last, time, rem, prefix, cost, budget):
+    """Plain-Python model of ``_split``: (new last chunk, new time) per rank."""
+    a, b, k, q, g = cost.a, cost.b, cost.k, cost.q, cost.gamma
+    ranks = len(sched)
+    idle = [r for r in range(ranks) if sched[r] == 0]
+    cand = sorted((r for r in range(ranks) if sched[r] == 1 and last[r] < rem[r]),
+                  key=lambda r: (-time[r], r))  # fmt: skip
+    last, time = list(last), list(time)
+    if not idle or not cand:
+        return last, time
+    groups = {r: [r] for r in cand}
+    for j, h in enumerate(idle):
+        groups[cand[j % len(cand)]].append(h)
+    for r, members in groups.items():
+        n = len(members)
+        if n == 1:
+            continue
+        p = prefix[r]
+        fits = [c for c in range(last[r], rem[r] + 1)
+                if a + (c * (b + k * p + q * c) + g * p) / n <= budget]  # fmt: skip
+        c = max(fits, default=last[r])
+        t = a + (c * (b + k * p + q * c) + g * p if c else 0.0) / n
+        last[r] = c
+        for m in members:
+            time[m] = t
+    return last, time
+
+
+@given(data=st.data(), ranks=st.integers(1, 4), budget=st.floats(20.0, 800.0))
+def test_split_kernel_matches_the_model(data, ranks, budget):
+    # Each rank after the dealing: idle, one chunk of its started prompt, or several requests.
+    sched = data.draw(st.lists(st.integers(0, 2), min_size=ranks, max_size=ranks))
+    rem = data.draw(st.lists(st.integers(1, 900), min_size=ranks, max_size=ranks))
+    prefix = data.draw(st.lists(st.integers(0, 3000), min_size=ranks, max_size=ranks))
+    last = [data.draw(st.integers(1, r)) if s else 0 for s, r in zip(sched, rem, strict=True)]
+    time = [data.draw(st.floats(1.0, budget)) if s else 0.0 for s in sched]
+    RI = np.zeros((K.N_RI, ranks), dtype=np.int64)
+    KI = np.zeros((K.N_KI, ranks), dtype=np.int64)
+    KF = np.zeros((K.N_KF, ranks))
+    for f in range(ranks):
+        RI[K.RI_REM, f], RI[K.RI_PREFIX, f] = rem[f], prefix[f]
+        KI[K.KI_HEAD, f] = f
+        KI[K.KI_SCHED, f], KI[K.KI_LAST, f] = sched[f], last[f]
+        KF[K.KF_TIME, f] = time[f]
+    P = np.array([UNIT.a, UNIT.b, UNIT.k, UNIT.q, UNIT.gamma, budget, 1, 1, ranks, 0.0, 1.0, 3.0])
+    K._split(0, RI, KI, KF, P)
+    want_last, want_time = _model_split(sched, last, time, rem, prefix, UNIT, budget)
+    assert KI[K.KI_LAST].tolist() == want_last
+    np.testing.assert_allclose(KF[K.KF_TIME], want_time, rtol=1e-12)

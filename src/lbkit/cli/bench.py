@@ -102,12 +102,14 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--work-sharing",
-        choices=("off", "budget", "level"),
+        choices=("off", "budget", "level", "split"),
         default="off",
         help="engine-side sharing of un-started prefill requests among an engine's ranks at "
         "each step's start: off (each rank its own FIFO queue; the default), budget (idle "
-        "ranks take siblings' queued requests up to the budget) or level (the same, with the "
-        "step budget lowered to the engine's work spread evenly over its ranks)",
+        "ranks take siblings' queued requests up to the budget), level (the same, with the "
+        "step budget lowered to the level the engine's requests fill on every rank) or split "
+        "(level plus context parallelism: idle ranks share a prompt's chunk; optimistic, no "
+        "communication cost)",
     )
     p.add_argument(
         "--decode-batch",

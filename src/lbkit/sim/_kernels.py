@@ -220,8 +220,8 @@ def _share(e, RI, KI, KF, EF, P, EVR, EVK, EVT, nev, SCR):
     the rank with the least planned time (ties: lowest rank), whole while they fit the budget,
     then as a partial chunk that fills the rank. Returns the new event count.
 
-    Each rank keeps its started head, planned first, alone. With ``P[P_SHARE] == 2``
-    (level) the step's budget, heads included, is lowered to the level at which the engine's
+    Each rank keeps its started head, planned first, alone. With ``P[P_SHARE] >= 2``
+    (level, split) the step's budget, heads included, is lowered to the level at which the engine's
     requests fill every rank (see the comment below). The queues are rebuilt as: started head,
     requests scheduled this step (in order), then the rank's own unscheduled requests. A
     request that changes rank is reported as an ``EV_MOVE`` event (tokens = new flat rank).
@@ -360,6 +360,70 @@ def _share(e, RI, KI, KF, EF, P, EVR, EVK, EVT, nev, SCR):
 
 
 @jit
+def _split(e, RI, KI, KF, P):
+    """Context parallelism after :func:`_share` (``P[P_SHARE] == 3``): ranks left idle help the
+    ranks whose step is one partial prompt chunk (longest first, ties: lowest rank; idle ranks
+    in rank order, dealt round robin). A group of ``n`` ranks runs the largest chunk whose work
+    split evenly ``n`` ways fits the budget; each member's time is ``a + work / n``. The chunk
+    stays the prompt's own rank's (its tokens are applied there). An optimistic model: the
+    communication of context-parallel attention is not charged.
+    """
+    ranks = np.int64(P[P_RANKS])
+    f0 = e * ranks
+    idle = 0
+    for g in range(ranks):
+        if KI[KI_SCHED, f0 + g] == 0:
+            idle += 1
+    if idle == 0:
+        return
+    cand = np.empty(ranks, dtype=np.int64)
+    nc = 0
+    for g in range(ranks):
+        f = f0 + g
+        if KI[KI_SCHED, f] == 1 and KI[KI_LAST, f] < RI[RI_REM, KI[KI_HEAD, f]]:
+            j = nc  # insertion by descending time, ties: lowest rank
+            while j > 0 and KF[KF_TIME, f0 + cand[j - 1]] < KF[KF_TIME, f]:
+                cand[j] = cand[j - 1]
+                j -= 1
+            cand[j] = g
+            nc += 1
+    if nc == 0:
+        return
+    size = np.ones(ranks, dtype=np.int64)
+    owner = np.full(ranks, -1, dtype=np.int64)
+    j = 0
+    for g in range(ranks):
+        if KI[KI_SCHED, f0 + g] == 0:
+            owner[g] = cand[j % nc]
+            size[cand[j % nc]] += 1
+            j += 1
+    budget = P[P_BUDGET]
+    for c in range(nc):
+        g = cand[c]
+        n = size[g]
+        if n == 1:
+            continue
+        f = f0 + g
+        i = KI[KI_HEAD, f]
+        rem = RI[RI_REM, i]
+        p = RI[RI_PREFIX, i]
+        lo = KI[KI_LAST, f]
+        hi = rem
+        while lo < hi:  # the largest chunk whose work split n ways fits the budget
+            mid = (lo + hi + 1) // 2
+            if P[P_A] + _work(P, mid, p) / n <= budget:
+                lo = mid
+            else:
+                hi = mid - 1
+        t = P[P_A] + _work(P, lo, p) / n
+        KI[KI_LAST, f] = lo
+        KF[KF_TIME, f] = t
+        for h in range(ranks):
+            if owner[h] == g:
+                KF[KF_TIME, f0 + h] = t
+
+
+@jit
 def _append(RI, KI, f, i):
     RI[RI_NEXT, i] = -1
     tail = KI[KI_TAIL, f]
@@ -388,6 +452,8 @@ def _start_step(e, RI, KI, KF, EF, EI, P, ACC, BINS, KS, EVR, EVK, EVT, nev, SCR
         nev0 = nev
         nev = _share(e, RI, KI, KF, EF, P, EVR, EVK, EVT, nev, SCR)
         ACC[ACC_MOVES] += nev - nev0
+        if P[P_SHARE] > 2.0:
+            _split(e, RI, KI, KF, P)
     else:
         for f in range(e * ranks, (e + 1) * ranks):
             count, last, t = plan_rank(RI, P, KI[KI_HEAD, f])

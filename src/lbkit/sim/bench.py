@@ -156,7 +156,7 @@ def run_bench(
         Cost preset (:data:`lbkit.core.PRESETS`).
     budget_s : float, default 1.0
         Prefill step budget ``tau``.
-    work_sharing : {"off", "budget", "level"}, default "off"
+    work_sharing : {"off", "budget", "level", "split"}, default "off"
         Engine-side sharing of un-started requests among an engine's ranks, for every prefill
         policy (see :func:`~lbkit.sim.engine.simulate_prefill`).
     eplb : bool, default False

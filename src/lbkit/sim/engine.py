@@ -59,7 +59,7 @@ __all__ = [
 #: Number of time bins of the balance-over-time series.
 NUM_BINS = 200
 #: Work-sharing modes of the prefill engines (see :func:`simulate_prefill`).
-SHARING = ("off", "budget", "level")
+SHARING = ("off", "budget", "level", "split")
 
 
 class PrefillView(NamedTuple):
@@ -424,7 +424,7 @@ def simulate_prefill(
         fallen by at least this share of its initial quota since the last report (0: after every
         step); completions are always reported. Models engine progress reports and keeps the
         event stream short for long prompts.
-    work_sharing : {"off", "budget", "level"}, default "off"
+    work_sharing : {"off", "budget", "level", "split"}, default "off"
         Engine-side sharing of un-started requests among an engine's ranks (late binding).
         ``"off"``: each rank plans its own FIFO queue (SPEC §2.5). ``"budget"``: at each
         step's start the engine pools the requests of its ranks that have not started and
@@ -435,8 +435,12 @@ def simulate_prefill(
         step that the engine's requests fill on every rank, each giving at most ``T`` to one
         rank (``T = sum_i min(w_i, T) / R`` over the requests' remaining work ``w_i``); with
         fewer requests than ranks, ``T = sum_i w_i / R`` (short steps, so that new requests
-        join soon). A request that changes rank is reported to the policy as an ``EV_MOVE``
-        event (``tokens`` = the new flat rank) before the step's progress.
+        join soon). ``"split"``: ``"level"`` plus context parallelism, an optimistic model:
+        ranks left idle help the ranks whose step is one partial prompt chunk, and a group of
+        ``n`` ranks runs the largest chunk whose work split ``n`` ways fits the budget (the
+        communication of context-parallel attention is not charged). A request that changes
+        rank is reported to the policy as an ``EV_MOVE`` event (``tokens`` = the new flat
+        rank) before the step's progress.
     horizon_s : float, optional
         Stop at this time (requests not finished by then are *in flight*). Default: run until
         every routed request is prefilled.
