@@ -31,7 +31,7 @@ DECODE_BATCHES = (32, 64)
 #: Wake penalties of the trade-off table (seconds; LBKIT_OPTIONS uses 1.0).
 WAKE_PENALTIES = (0.0, 1.0, 3.0, 10.0, 30.0)
 #: Engine models of the work-sharing tables (``simulate_prefill(work_sharing=...)``).
-ENGINES = ("off", "budget", "level")
+ENGINES = ("off", "budget", "level", "split")
 
 
 def _ratio(x, y):
@@ -139,7 +139,7 @@ def _wake_sweep(name, trace, u):
     cost = PRESETS["h800_dsv3"].prefill
     scaled, _ = scale_to_utilization(trace, u, num_ranks=64, cost=cost)
     rows = []
-    for eng in ("off", "level"):
+    for eng in ("off", "level", "split"):
         for wake in WAKE_PENALTIES:
             opts = {**LBKIT_OPTIONS, "wake_penalty_s": wake}
             pol = LbkitPrefill(16, 4, cost=cost, rng=0, **opts)
@@ -181,7 +181,9 @@ def main() -> None:
                  "FIFO queue; budget = at each step's start the engine deals the requests that "
                  "have not started, earliest first, to its least-loaded ranks up to the step "
                  "budget; level = the same with the step budget lowered to the largest step the "
-                 "engine's requests fill on every rank. Every policy runs under the same engine "
+                 "engine's requests fill on every rank; split = level plus context parallelism "
+                 "(idle ranks share a prompt's chunk; optimistic: no communication cost). "
+                 "Every policy runs under the same engine "
                  "model; p99 ratios are against round robin and the best baseline (by p99) "
                  "under that model. Moves: requests the engines moved between ranks (reported "
                  "to lbkit's ledger).",
@@ -231,8 +233,8 @@ def main() -> None:
          "rows": do_rows},
         {"title": "Engine-aware rank choice: prefill balance against TTFT (lbkit)",
          "note": "wake_penalty_s: extra seconds a rank of an idle engine counts; the other "
-                 "options as in LBKIT_OPTIONS; engine: work sharing off or level. Balance rises "
-                 "only as requests queue on engines that already step.",
+                 "options as in LBKIT_OPTIONS; engine: work sharing off, level or split. Balance "
+                 "rises only as requests queue on engines that already step.",
          "columns": ["trace", "U", "engine", "wake penalty (s)", "balance", "TTFT p50",
                      "TTFT p99"],
          "rows": sweep},
