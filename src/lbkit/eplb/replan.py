@@ -778,7 +778,7 @@ def replan_experts(
     tolerance_scope : {"mean", "layer"}, default "mean"
         ``"mean"``: fewest moves with ``mean(moe_lb) <= (1 + tolerance) * mean(fresh moe_lb)``
         (guaranteed unless ``max_moves`` excludes the fresh plan for a layer); ``"layer"``:
-        one re-plan per layer at the tolerance (about five times faster, more moves).
+        one re-plan per layer at the tolerance (two to six times faster, more moves).
     regroup_tolerance : float, default :data:`DEFAULT_REGROUP_TOLERANCE`
         Hierarchical policy: node balance given up to keep groups on their nodes (module
         docstring).
