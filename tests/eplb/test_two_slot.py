@@ -135,3 +135,32 @@ def test_default_and_bound_against_the_exact_optimum_beyond_the_exact_search(see
             assert ours >= best / mean * (1 - 1e-9)
             gaps.append(ours * mean / best - 1)
     assert np.mean(gaps) <= 0.01
+
+
+@given(case=counts_cases())
+def test_ballot_violation_is_halls_condition_for_the_sorted_pairing(case):
+    """No violation at the pairing's largest load; one just below it."""
+    w, _, cnt = case
+    top = pairing_max_load(w, cnt)
+    size = w / cnt
+    order = np.argsort(-size, kind="mergesort")
+    assert _kernels._ballot_violation(size, cnt, order, top * (1 + 1e-12)) == -1
+    if top > 0:
+        assert _kernels._ballot_violation(size, cnt, order, top * (1 - 1e-6)) >= 0
+
+
+@given(case=two_slot_cases(max_experts=30, max_gpus=20), frac=st.floats(0.9, 1.2))
+@settings(deadline=None)
+def test_ballot_counts_meet_their_cap_when_they_claim_to(case, frac):
+    w, gpus = case
+    start = np.empty(len(w), dtype=np.int64)
+    _kernels.apportion_minmax(w, 2 * gpus, start)
+    cap = pairing_max_load(w, start) * frac
+    cnt = np.empty(len(w), dtype=np.int64)
+    for fn in (_kernels._ballot_counts, _kernels._ballot_counts.py_func):
+        ok = fn(w, gpus, cap, cnt)
+        if ok:
+            assert cnt.sum() == 2 * gpus and (cnt >= 1).all()
+            assert pairing_max_load(w, cnt) <= cap * (1 + 1e-9) + 1e-12
+    if frac >= 1:  # the apportionment itself passes, but the heuristic need not find it
+        assert _kernels._ballot_counts(w, gpus, cap * 1e3, cnt)

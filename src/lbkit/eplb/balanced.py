@@ -21,6 +21,17 @@ Per sub-problem (a layer under the global policy; a node of a layer under the hi
 
 Every search stops once the sub-problem is within ``STOP_GAP`` of its lower bound.
 
+**Two slots per GPU** (sub-problems of more than 32 replicas): for fixed counts the sorted
+pairing (the ``k``-th largest replica with the ``k``-th smallest) is optimal, and it is scored in
+``O(E)``, so steps 2-4 give way to a count search on it: from the apportionment, each step moves
+the one replica (any donor with two or more; receivers: the experts of the pairs at the maximum,
+the eight whose new replica would be the largest still below the partner at the maximum, the
+largest and the three smallest) that lowers the largest pair most, or the number of pairs at it.
+A second start builds counts for a bisected cap by Hall's condition (replicas above ``cap / 2``
+need distinct partners of at most ``cap`` minus their size: each shortfall is fixed by the change
+that gains most partners per added replica) and runs the same search from them; the better plan
+is kept. Then swaps separate duplicates where the maximum allows.
+
 Hierarchical policy: groups go to nodes by an exact cardinality-constrained partition minimising
 the largest node load (branch and bound; each node holds ``num_groups / num_nodes`` groups and a
 fixed budget of ``num_replicas / num_nodes`` slots), then each node is solved as above, in
