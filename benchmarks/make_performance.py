@@ -16,6 +16,11 @@ Steps:
 2. The balance scripts of :data:`TABLE_SCRIPTS` (EPLB targets and drift, decode streams, trace
    replay), each writing ``{"tables": [...]}`` to ``benchmarks/results/``.
 3. Render the page: method first, then tables. The page is never edited by hand.
+4. Refresh the tables that other pages quote from the same results: a block
+   ``<!-- table: FILE | TITLE [| COLUMN: V1, V2; COLUMN: V3] -->`` ... ``<!-- end table -->``
+   in ``docs/*.md`` is replaced by the rows of table TITLE of ``benchmarks/results/FILE``
+   (optionally only the rows whose COLUMN holds one of the values). A test checks that every
+   such block matches the committed results.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -49,7 +55,7 @@ TABLE_SCRIPTS = (
     ("Trace replay (simulator)", "sim_targets.py", (), "sim_targets.json"),
 )
 
-__all__ = ["main", "render"]
+__all__ = ["main", "render", "splice", "splice_docs"]
 
 
 def run_benchmarks() -> None:
@@ -132,6 +138,66 @@ def _bench_tables(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _cell(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.5g}"
+    if isinstance(v, int) and not isinstance(v, bool) and abs(v) >= 10_000:
+        return f"{v:,}"
+    return "" if v is None else str(v)
+
+
+def _rows(cols: list[str], rows: list[list[Any]]) -> list[str]:
+    lines = ["| " + " | ".join(cols) + " |"]
+    lines.append("|" + "|".join("---" if i == 0 else "---:" for i in range(len(cols))) + "|")
+    lines += ["| " + " | ".join(_cell(v) for v in row) + " |" for row in rows]
+    return lines
+
+
+#: A quoted table in a docs page: ``<!-- table: FILE | TITLE [| FILTERS] -->`` ... end marker.
+SPLICE = re.compile(
+    r"(?P<head><!-- table: (?P<file>[\w.-]+) \| (?P<title>[^|]+?)(?: \| (?P<filter>[^>]+?))? -->\n)"
+    r"(?P<body>.*?)(?P<tail><!-- end table -->)",
+    re.S,
+)
+
+
+def _quoted(file: str, title: str, filters: str | None, results: Path) -> list[str]:
+    data = json.loads((results / file).read_text())
+    table = next((t for t in data.get("tables", []) if t["title"] == title), None)
+    if table is None:
+        raise KeyError(f"{file}: no table titled {title!r}")
+    cols, rows = table["columns"], table["rows"]
+    for part in (filters or "").split(";"):
+        if part.strip():
+            col, _, values = part.partition(":")
+            i = cols.index(col.strip())
+            keep = {v.strip() for v in values.split(",")}
+            rows = [r for r in rows if str(r[i]) in keep]
+    return _rows(cols, rows)
+
+
+def splice(text: str, results: Path = RESULTS) -> str:
+    """``text`` with every quoted-table block rebuilt from ``results`` (see the module doc)."""
+
+    def one(m: re.Match[str]) -> str:
+        body = _quoted(m["file"], m["title"].strip(), m["filter"], results)
+        return m["head"] + "\n".join(body) + "\n" + m["tail"]
+
+    return SPLICE.sub(one, text)
+
+
+def splice_docs(results: Path = RESULTS) -> list[Path]:
+    """Rebuild the quoted tables of ``docs/*.md``; return the pages that changed."""
+    changed = []
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        old = page.read_text()
+        new = splice(old, results)
+        if new != old:
+            page.write_text(new)
+            changed.append(page)
+    return changed
+
+
 def _tables(data: dict[str, Any]) -> list[str]:
     """Render ``{"tables": [{"title", "note", "columns", "rows"}]}`` as Markdown tables."""
     lines: list[str] = []
@@ -139,13 +205,7 @@ def _tables(data: dict[str, Any]) -> list[str]:
         lines += [f"### {table['title']}", ""]
         if table.get("note"):
             lines += [table["note"], ""]
-        cols = table["columns"]
-        lines.append("| " + " | ".join(cols) + " |")
-        lines.append("|" + "|".join("---" if i == 0 else "---:" for i in range(len(cols))) + "|")
-        for row in table["rows"]:
-            cells = [f"{v:.5g}" if isinstance(v, float) else str(v) for v in row]
-            lines.append("| " + " | ".join(cells) + " |")
-        lines.append("")
+        lines += [*_rows(table["columns"], table["rows"]), ""]
     return lines
 
 
@@ -198,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
         run_benchmarks()
     PAGE.write_text(render())
     print(f"wrote {PAGE.relative_to(ROOT)}")
+    for page in splice_docs():
+        print(f"refreshed quoted tables in {page.relative_to(ROOT)}")
     return 0
 
 

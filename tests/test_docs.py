@@ -62,3 +62,40 @@ def test_reference_page_is_generated_from_the_docstrings():
         text=True,
     )
     assert run.returncode == 0, run.stdout + run.stderr
+
+
+def _make_performance():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "make_performance", ROOT / "benchmarks" / "make_performance.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_quoted_tables_match_the_committed_results(page):
+    """Tables that a page quotes from ``benchmarks/results`` are the generator's, not typed."""
+    mp = _make_performance()
+    text = page.read_text()
+    assert mp.splice(text) == text, (
+        f"{page.name}: quoted tables differ from benchmarks/results; run "
+        "`python benchmarks/make_performance.py --render-only`"
+    )
+
+
+def test_quoted_table_rebuilds_rows_and_filters(tmp_path):
+    mp = _make_performance()
+    (tmp_path / "r.json").write_text(
+        '{"tables": [{"title": "T", "columns": ["policy", "x"],'
+        ' "rows": [["a", 1.23456789], ["b", 20000], ["c", null]]}]}'
+    )
+    stale = "before\n<!-- table: r.json | T | policy: a, b -->\n| old |\n<!-- end table -->\nafter"
+    assert mp.splice(stale, tmp_path) == (
+        "before\n<!-- table: r.json | T | policy: a, b -->\n| policy | x |\n|---|---:|\n"
+        "| a | 1.2346 |\n| b | 20,000 |\n<!-- end table -->\nafter"
+    )
+    with pytest.raises(KeyError, match="no table titled 'U'"):
+        mp.splice("<!-- table: r.json | U -->\n<!-- end table -->", tmp_path)
