@@ -81,7 +81,7 @@ def test_two_slot_feasible_agrees_with_cp_sat(seed):
     best, _, _, proven = optimal_two_slot(w, num_gpus=gpus)
     assert proven
     for t, ok in ((best * (1 + 1e-7), True), (best * (1 - 1e-6), False)):
-        value, cp_proven = optimal_max_load(w, num_gpus=gpus, slots=2, max_load=t, time_limit_s=10)
+        value, cp_proven = optimal_max_load(w, num_gpus=gpus, slots=2, max_load=t, time_limit_s=120)
         assert cp_proven and (value < float("inf")) == ok
         found, milp_proven = two_slot_feasible(w, num_gpus=gpus, max_load=t)
         assert milp_proven and (found is not None) == ok
