@@ -202,6 +202,39 @@ def test_duplicates_only_where_no_duplicate_free_plan_is_as_good(experts, gpus, 
     assert checked >= 1  # the instances do force duplicates sometimes
 
 
+def _zipf_hot_node(seed: int) -> np.ndarray:
+    """The hottest group (32 experts) of a Zipf-1.0 layer of 256 experts in 8 groups."""
+    rng = np.random.default_rng(seed)
+    p = np.arange(1, 257) ** -1.0
+    p /= p.sum()
+    w = rng.multinomial(1_600_000, rng.permutation(p)).astype(float)
+    groups = w.reshape(8, 32)
+    return groups[np.argmax(groups.sum(axis=1))]
+
+
+@pytest.mark.parametrize("seed", [3, 4, 5])
+def test_hot_zipf_node_is_within_two_percent_of_the_optimum(seed):
+    """The hottest node of a Zipf-1.0 layer under the hierarchical policy (32 experts, one of
+    them over 60% of the load, 8 GPUs of 5 slots, beyond the exact search): the default is
+    within 2% of the optimum, proven by the lower bound or else by CP-SAT (no plan 2% lower).
+    The min-max apportionment puts the hot expert on 7 GPUs; the plans found without the
+    second start were 13-20% above the bound on these nodes."""
+    w = _zipf_hot_node(seed)
+    plan = rebalance_experts(w[None], 40, 1, 1, 8, policy="global")
+    ours = max_gpu_load(w[None], plan.phy2log, plan.logcnt, 8)[0]
+    bound = lower_bound(w[None], 40, 1, 1, 8, policy="global")[0] * w.sum() / 8
+    assert ours >= bound * (1 - 1e-9)
+    if ours <= bound * 1.02:
+        return
+    pytest.importorskip("ortools")
+    from lbkit.eplb._reference import optimal_max_load
+
+    value, proven = optimal_max_load(
+        w, num_gpus=8, slots=5, max_load=ours / 1.02, upper_bound=ours, time_limit_s=120
+    )
+    assert proven and value == float("inf"), f"a plan 2% below {ours} exists for seed {seed}"
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_hierarchical_default_uses_the_best_group_partition(seed):
     """The node loads of the default plan are those of an optimal group-to-node partition."""

@@ -11,6 +11,12 @@ Per sub-problem (a layer under the global policy; a node of a layer under the hi
 3. **Count search**: move one replica to the expert of the largest replica on the most loaded GPU
    (from the expert that loses least), or away from an expert sitting twice on it; repack and
    keep the change when the largest GPU load drops, for a few rounds.
+   **Second start** (more than 32 replicas, 3 or more slots per GPU): the same search from
+   counts that keep the largest expert on one GPU fewer (the others apportioned over the rest,
+   that expert's count frozen, the eight heaviest experts added to the receivers, a quarter of
+   the trials). With one dominant expert, as on the hottest node of a Zipf 1.0 layer, the
+   apportionment spreads it over nearly every GPU and leaves too few slots to fill them
+   evenly; single moves from there do not reach the plans that dedicate a GPU to the rest.
 4. **Exact search** (sub-problems of at most ``EXACT_MAX_REPLICAS = 32`` replicas): a branch
    and bound over every count vector and packing lowers the maximum to the optimum (within the
    stop gap) unless its node budget runs out.
