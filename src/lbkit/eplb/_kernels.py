@@ -595,6 +595,14 @@ def _insert_sorted(lst, n, cap, e, key, keys):
 
 
 @jit
+def _adopt(trial_cnt, trial_exp, cnt, gpu_exp):
+    """Copy a better trial plan (counts and per-GPU experts) over the current one."""
+    for e in range(cnt.shape[0]):
+        cnt[e] = trial_cnt[e]
+    gpu_exp[:, :] = trial_exp
+
+
+@jit
 def _count_search(w, num_gpus, slots, max_evals, good_enough, extra_recv, frozen, cnt, gpu_exp):
     """Steps 2-4 of :func:`solve_subproblem_to` from the counts in ``cnt`` (updated in place,
     with the packing in ``gpu_exp``); returns the largest GPU load.
@@ -709,9 +717,7 @@ def _count_search(w, num_gpus, slots, max_evals, good_enough, extra_recv, frozen
                     )
                 if v < best * (1.0 - _REL_TOL):
                     best = v
-                    for e in range(num_log):
-                        cnt[e] = trial_cnt[e]
-                    gpu_exp[:, :] = trial_exp
+                    _adopt(trial_cnt, trial_exp, cnt, gpu_exp)
                     best_load[:] = load
                     improved = True
                     break
@@ -797,9 +803,7 @@ def _second_starts(
         )
         if v < best * (1.0 - _REL_TOL):
             best = v
-            for e in range(num_log):
-                cnt[e] = trial_cnt[e]
-            gpu_exp[:, :] = trial_exp
+            _adopt(trial_cnt, trial_exp, cnt, gpu_exp)
     return best
 
 
