@@ -543,12 +543,7 @@ def _end_step(e, RI, RF, KI, EF, EI, P, ACC, EVR, EVK, EVT, nev):
 def prefill_admit(i, f, t, RI, KI, EF, EI, P):
     """Append request ``i`` to the FIFO queue of flat rank ``f`` at time ``t``."""
     RI[RI_RANK, i] = f
-    tail = KI[KI_TAIL, f]
-    if tail < 0:
-        KI[KI_HEAD, f] = i
-    else:
-        RI[RI_NEXT, tail] = i
-    KI[KI_TAIL, f] = i
+    _append(RI, KI, f, i)
     KI[KI_NREQ, f] += 1
     KI[KI_TOKENS, f] += RI[RI_REM, i]
     e = f // np.int64(P[P_RANKS])
