@@ -9,6 +9,7 @@ typed by hand.
 from __future__ import annotations
 
 import doctest
+import functools
 import re
 import subprocess
 import sys
@@ -64,6 +65,7 @@ def test_reference_page_is_generated_from_the_docstrings():
     assert run.returncode == 0, run.stdout + run.stderr
 
 
+@functools.cache
 def _make_performance():
     import importlib.util
 

@@ -878,10 +878,9 @@ def solve_subproblem_to(w, num_gpus, slots, max_evals, stop_gap, target, cnt, gp
                 trial_exp,
             )
             if found > 0:
+                _adopt(trial_cnt, trial_exp, cnt, gpu_exp)
                 for e in range(num_log):
-                    cnt[e] = trial_cnt[e]
                     size[e] = w[e] / cnt[e]
-                gpu_exp[:, :] = trial_exp
                 _recompute_loads(size, gpu_exp, load)
                 best = load[_argmax(load)]
     if _count_duplicates(gpu_exp) > 0:
@@ -892,10 +891,9 @@ def solve_subproblem_to(w, num_gpus, slots, max_evals, stop_gap, target, cnt, gp
             w, num_gpus, slots, best, True, False, EXACT_BUDGET, trial_cnt, trial_exp
         )
         if found > 0:
+            _adopt(trial_cnt, trial_exp, cnt, gpu_exp)
             for e in range(num_log):
-                cnt[e] = trial_cnt[e]
                 size[e] = w[e] / cnt[e]
-            gpu_exp[:, :] = trial_exp
             _recompute_loads(size, gpu_exp, load)
     return load[_argmax(load)]
 
