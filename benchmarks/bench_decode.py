@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -119,12 +118,9 @@ def bench_assign_batch(benchmark, ranks, batch):
 
 # ---------------------------------------------------------------------------- stream balance
 def stream_table(seeds: int = 10, ranks: tuple[int, ...] = (8, 16, 64)) -> dict:
-    """Mean balance figures per policy over seeded streams (see ``tests/decode/streams.py``)."""
-    root = Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(root))
-    from tests.decode.streams import make_stream, replay  # the tests' stream model
-
+    """Mean balance figures per policy over seeded streams (:mod:`lbkit.sim.streams`)."""
     from lbkit.decode import POLICIES
+    from lbkit.sim.streams import make_stream, replay
 
     policies = [*POLICIES, "sum_of_squares+lookahead8"]
     out: dict = {}

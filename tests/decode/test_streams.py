@@ -1,9 +1,9 @@
 """What the default policy is for, on seeded random decode streams.
 
 Streams: Poisson arrivals, lognormal KV lengths and output lengths (departures), replayed through a
-DecodeBalancer per policy (``streams.py``). Imbalance of a dimension is ``sum_t max_r / sum_t
-mean_r`` over the steps after warm-up; efficiency is ``balance_efficiency`` of the per-rank step
-times modelled by the ``h800_dsv3`` decode preset with ``combine="max"``.
+DecodeBalancer per policy (:mod:`lbkit.sim.streams`). Imbalance of a dimension is ``sum_t max_r /
+sum_t mean_r`` over the steps after warm-up; efficiency is ``balance_efficiency`` of the per-rank
+step times modelled by the ``h800_dsv3`` decode preset with ``combine="max"``.
 """
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lbkit.core import PRESETS
-
-from .streams import make_stream, replay
+from lbkit.sim.streams import make_stream, replay
 
 COST = PRESETS["h800_dsv3"].decode.with_combine("max")
 BASELINES = ("round_robin", "least_requests", "least_kv", "random")

@@ -9,7 +9,8 @@
 - :mod:`lbkit.sim.engine`: the deterministic engine model (prefill and decode pools) and the
   utilisation scaling; :mod:`lbkit.sim.policies` and :mod:`lbkit.sim.policies_decode`: routing
   policies; :mod:`lbkit.sim.metrics`: SPEC section 5 metrics; :mod:`lbkit.sim.bench`: the
-  scenario runner of ``lbkit bench``.
+  scenario runner of ``lbkit bench``; :mod:`lbkit.sim.streams`: seeded decode-only streams
+  replayed through a :class:`~lbkit.decode.DecodeBalancer` (policy comparisons in engine steps).
 """
 
 from lbkit.sim.bench import BenchResult, run_bench

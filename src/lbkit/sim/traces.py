@@ -43,6 +43,7 @@ from lbkit.core.validation import (
     check_int,
     check_real,
 )
+from lbkit.prefill.buckets import DEFAULT_EDGES
 
 __all__ = [
     "BUCKET_EDGES_TOKENS",
@@ -58,8 +59,9 @@ __all__ = [
     "load_trace",
 ]
 
-#: Default bucket edges by ``total_tokens`` (lower edge inclusive): 16K, 64K, 256K.
-BUCKET_EDGES_TOKENS: tuple[int, ...] = (16384, 65536, 262144)
+#: Default bucket edges by ``total_tokens`` (lower edge inclusive): 16K, 64K, 256K, those of
+#: :data:`lbkit.prefill.DEFAULT_EDGES`.
+BUCKET_EDGES_TOKENS: tuple[int, ...] = DEFAULT_EDGES
 #: Trace formats understood by :func:`load_trace`.
 FORMATS: tuple[str, ...] = ("mooncake", "azure")
 #: Ways to place requests that share a quantised Mooncake timestamp (see :func:`load_mooncake`).
