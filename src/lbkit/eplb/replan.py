@@ -8,17 +8,17 @@ in the old one, counted with multiplicity per ``(layer, GPU, expert)``:
 
 The position of a replica among a GPU's slots is free: unchanged replicas keep their slots.
 
-**Tolerance** (``tolerance_scope``). ``"mean"`` (default): the mean ``moe_lb`` over layers may be
-at most ``1 + tolerance`` times that of a fresh default plan for the new loads. Every layer is
-re-planned at the per-layer tolerances ``t = (0.5, 0.75, 1, 1.4, 2) * tolerance`` (a tighter one
-is skipped when a looser one already reached it); the candidates of a layer are these results,
-the old plan (zero moves) and the fresh plan with its GPUs (and nodes) relabelled to keep the
-most replicas in place (an assignment problem). One candidate per layer is chosen exactly (a
-dynamic programme over the total moves, a multiple-choice knapsack): the fewest total moves
-such that the mean ``moe_lb`` stays within the tolerance, then the lowest mean. Layers where
-balance is cheap take a tight result, layers where it costs many moves a loose one. The fresh
-plan makes the mean target always reachable when the budgets allow it. ``"layer"``: every
-layer is re-planned once at ``t = tolerance``.
+**Tolerance** (``tolerance_scope``). ``"mean"`` (default): the mean ``moe_lb`` over layers may be at
+most ``1 + tolerance`` times that of a fresh default plan for the new loads. Every layer is
+re-planned at twelve per-layer tolerances ``t = (0.5, 0.6, ..., 1.4, 1.6, 2) * tolerance`` (a
+tighter one is skipped when a looser one already reached it); the candidates of a layer are these
+results, the old plan (zero moves) and the fresh plan with its GPUs (and nodes) relabelled to keep
+the most replicas in place (an assignment problem). One candidate per layer is chosen exactly (a
+dynamic programme over the total moves, a multiple-choice knapsack): the fewest total moves such
+that the mean ``moe_lb`` stays within the tolerance, then the lowest mean. Layers where balance is
+cheap take a tight result, layers where it costs many moves a loose one. The fresh plan makes the
+mean target always reachable when the budgets allow it. ``"layer"``: every layer is re-planned
+once at ``t = tolerance``.
 
 Per sub-problem (a layer under the global policy, a node of a layer under the hierarchical one)
 and per-layer tolerance ``t``, with a target largest GPU load ``T = (1 + t) * max(bound, fresh)``
@@ -614,8 +614,11 @@ def _select(moves: np.ndarray, lb: np.ndarray, cap: float) -> np.ndarray:
     return choice
 
 
-#: Per-layer tolerances tried in the mean mode, as multiples of ``tolerance``.
-_LEVELS = (0.5, 0.75, 1.0, 1.4, 2.0)
+#: Per-layer tolerances tried in the mean mode, as multiples of ``tolerance``. A layer's moves
+#: fall in steps as its tolerance loosens, and the choice over layers can only use the steps it
+#: is shown: twelve levels instead of five (0.5, 0.75, 1, 1.4, 2) cut the moves by 2-4% (288
+#: slots / 32 GPUs, drift 0.05-0.1, seeds 1-5) for about twice the time.
+_LEVELS = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.2, 1.3, 1.4, 1.6, 2.0)
 
 
 def _replan_mean(args: _Replan, budgets: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -778,7 +781,7 @@ def replan_experts(
     tolerance_scope : {"mean", "layer"}, default "mean"
         ``"mean"``: fewest moves with ``mean(moe_lb) <= (1 + tolerance) * mean(fresh moe_lb)``
         (guaranteed unless ``max_moves`` excludes the fresh plan for a layer); ``"layer"``:
-        one re-plan per layer at the tolerance (two to six times faster, more moves).
+        one re-plan per layer at the tolerance (three to eleven times faster, more moves).
     regroup_tolerance : float, default :data:`DEFAULT_REGROUP_TOLERANCE`
         Hierarchical policy: node balance given up to keep groups on their nodes (module
         docstring).
