@@ -26,7 +26,7 @@ import pytest
 
 import lbkit
 from lbkit.core import PRESETS
-from lbkit.decode import DecodeBalancer, assign_batch, pick_rank
+from lbkit.decode import DecodeBalancer, assign_batch, pick_rank, plan_migrations
 
 ROUNDS, ITERATIONS = 30, 1000  # 30k admissions per benchmark
 COST = PRESETS["h800_dsv3"].decode.with_combine("max")
@@ -114,6 +114,17 @@ def bench_assign_batch(benchmark, ranks, batch):
     benchmark.group = f"decode_assign_batch|{ranks}x{batch}"
     out = benchmark(assign_batch, b, s, kv)
     assert out.num_requests.sum() == b.sum() + batch
+
+
+@pytest.mark.parametrize(("ranks", "requests", "moves"), [(64, 4096, 4)])
+def bench_plan_migrations(benchmark, ranks, requests, moves):
+    rng = np.random.default_rng(3)
+    rank = rng.integers(0, ranks, requests)
+    kv = rng.lognormal(8.8, 1.2, requests).astype(np.int64)
+    benchmark.group = f"decode_plan_migrations|{ranks}x{requests}x{moves}"
+    plan_migrations(rank, kv, num_ranks=ranks, max_moves=moves)  # compile first
+    out = benchmark(plan_migrations, rank, kv, num_ranks=ranks, max_moves=moves)
+    assert len(out.request) == moves and out.objective_after < out.objective_before
 
 
 # ---------------------------------------------------------------------------- stream balance

@@ -258,3 +258,32 @@ def test_bad_configuration_names_the_argument(kw, exc, match):
     kw = {"num_ranks": 3} | kw
     with pytest.raises(exc, match=match):
         DecodeBalancer(kw.pop("num_ranks"), **kw)
+
+
+def test_migrate_and_rebalance_errors_leave_the_ledger_unchanged():
+    bal = DecodeBalancer(3, max_batch=2, max_kv_tokens=1000)
+    for i, kv in enumerate([900, 10, 10]):
+        bal.admit(i, kv)
+    before = bal.statistics()
+    with pytest.raises(KeyError, match="unknown request"):
+        bal.migrate("nope", 1)
+    with pytest.raises(ValueError, match="rank"):
+        bal.migrate(0, 7)
+    with pytest.raises(ValueError, match="max_moves"):
+        bal.rebalance(-1)
+    assert bal.statistics() == before
+    bal._check()
+
+
+def test_rebalance_follows_the_plan_and_survives_a_restore():
+    bal = DecodeBalancer(2)
+    for i, kv in enumerate([5000, 5000, 100, 100, 100, 100]):
+        bal.admit(i, kv)
+    bal.finish(1)
+    moves = bal.rebalance(4)
+    assert [(m.request_id, m.source, m.target) for m in moves] == [(2, 0, 1)]
+    assert bal.statistics().migrated == 1
+    state = bal.state_dict()
+    assert DecodeBalancer.from_state_dict(state).statistics() == bal.statistics()
+    del state["state"]["counts"]["migrated"]  # a state saved before migrations existed
+    assert DecodeBalancer.from_state_dict(state).statistics().migrated == 0

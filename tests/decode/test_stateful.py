@@ -14,7 +14,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from lbkit.decode import POLICIES, DecodeBalancer
+from lbkit.decode import POLICIES, DecodeBalancer, migration_objective
 
 from .strategies import feasible
 
@@ -29,6 +29,7 @@ class Model:
         self.state = ["active"] * N
         self.seq = [-1] * N
         self.order = 0
+        self.migrated = 0
         self.caps = {"max_batch": max_batch, "max_kv_tokens": max_kv}
 
     def loads(self):
@@ -176,6 +177,43 @@ class DecodeMachine(RuleBasedStateMachine):
             assert (res.drift_requests, res.drift_kv_tokens) == (nb - b[rank], ns - s[rank])
         self.model.report(rank, seq, nb, ns)
 
+    def _room(self, rank, kv):
+        b, s = self.model.loads()
+        cb, cs = self.model.caps["max_batch"], self.model.caps["max_kv_tokens"]
+        return (cb is None or b[rank] + 1 <= cb) and (cs is None or s[rank] + kv <= cs)
+
+    @precondition(lambda self: self.model.req)
+    @rule(data=st.data(), rank=st.integers(0, N - 1))
+    def migrate(self, data, rank):
+        m = self.model
+        rid = data.draw(st.sampled_from(self._ids()))
+        src, kv, _ = m.req[rid]
+        if rank == src or m.state[rank] != "active" or not self._room(rank, kv):
+            before = self.bal.statistics()
+            with pytest.raises(ValueError, match="rank"):
+                self.bal.migrate(rid, rank)
+            assert self.bal.statistics() == before
+            return
+        assert self.bal.migrate(rid, rank) == src
+        m.req[rid][0] = rank
+        m.migrated += 1
+
+    @rule(max_moves=st.integers(0, 3))
+    def rebalance(self, max_moves):
+        m = self.model
+        last = migration_objective(*m.loads())
+        moves = self.bal.rebalance(max_moves)
+        assert len(moves) <= max_moves
+        assert len({mv.request_id for mv in moves}) == len(moves)
+        for mv in moves:
+            assert (m.req[mv.request_id][0], m.req[mv.request_id][1]) == (mv.source, mv.kv_tokens)
+            assert m.state[mv.target] == "active" and self._room(mv.target, mv.kv_tokens)
+            m.req[mv.request_id][0] = mv.target
+            m.migrated += 1
+            value = migration_objective(*m.loads())
+            assert value < last  # every move lowers the objective
+            last = value
+
     @rule()
     def save_and_restore(self):
         state = json.loads(json.dumps(self.bal.state_dict()))
@@ -193,6 +231,7 @@ class DecodeMachine(RuleBasedStateMachine):
         assert list(st_.num_requests) == b and list(st_.kv_tokens) == s
         assert list(st_.rank_state) == self.model.state
         assert st_.running == len(self.model.req) == len(self.bal)
+        assert st_.migrated == self.model.migrated
         for rid, (rank, kv, _) in self.model.req.items():
             info = self.bal.request(rid)
             assert (info.rank, info.kv_tokens) == (rank, kv)

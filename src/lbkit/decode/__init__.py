@@ -5,21 +5,26 @@ count ``B`` and its KV tokens ``S``. Pure decision functions (numpy in, NamedTup
 
 - :func:`pick_rank`: one request, by a policy of :data:`POLICIES` (default: the greedy step of
   minimising ``sum_r (B_r/Bhat)^2 + (S_r/Shat)^2``; ``policies.py``);
-- :func:`assign_batch`: a batch of arrivals, longest first, in one kernel call (``batch.py``).
+- :func:`assign_batch`: a batch of arrivals, longest first, in one kernel call (``batch.py``);
+- :func:`plan_migrations`: running requests to move between ranks when departures have
+  unbalanced them (``migration.py``).
 
 :class:`DecodeBalancer` (``balancer.py``) embeds them in a router: admission with capacities,
-KV growth, release, ranks out of service, engine-report reconciliation, look-ahead, persistence.
+KV growth, release, ranks out of service, engine-report reconciliation, look-ahead, migration
+(``rebalance``), persistence.
 Reason codes of every decision are documented in :mod:`lbkit.decode.reasons`.
 """
 
 from lbkit.decode.balancer import (
     DecodeBalancer,
     DecodeStatistics,
+    Migration,
     RemovedRequests,
     ReportResult,
     RequestInfo,
 )
 from lbkit.decode.batch import ORDERS, BatchAssignment, assign_batch, batch_bound
+from lbkit.decode.migration import Migrations, migration_objective, plan_migrations
 from lbkit.decode.policies import DEFAULT_POLICY, POLICIES, Decision, pick_rank
 from lbkit.decode.reasons import REASONS, REFUSALS
 
@@ -33,10 +38,14 @@ __all__ = [
     "Decision",
     "DecodeBalancer",
     "DecodeStatistics",
+    "Migration",
+    "Migrations",
     "RemovedRequests",
     "ReportResult",
     "RequestInfo",
     "assign_batch",
     "batch_bound",
+    "migration_objective",
     "pick_rank",
+    "plan_migrations",
 ]

@@ -42,6 +42,7 @@ __all__ = [
     "SUM_OF_SQUARES",
     "assign_sequence",
     "choose",
+    "migrate",
     "place",
     "score_means",
     "warmup",
@@ -266,6 +267,58 @@ def assign_sequence(X, kv, order, P, bhat, shat, cursor, keys, out):
     return cursor
 
 
+@jit
+def migrate(X, rank, kv, moved, bhat, shat, max_moves, out_req, out_dst):
+    """Greedy migrations (see ``migration.plan_migrations``); returns how many were made.
+
+    ``rank`` (int64) and ``kv`` (float64): rank and KV tokens of each request; ``rank`` and the
+    ledger rows ``ROW_B``/``ROW_S`` of ``X`` are updated in place. ``moved`` (bool) marks requests
+    that may not move (each moves at most once). Each move is the (request, rank) pair with the
+    most negative change ``2(B_b - B_a + 1)/bhat^2 + 2s(S_b - S_a + s)/shat^2`` of
+    ``sum_r (B_r/bhat)^2 + (S_r/shat)^2`` among eligible ranks with room (lowest request, then
+    rank, among equals); none when no change is negative.
+    """
+    n = X.shape[1]
+    m = rank.shape[0]
+    ib = 1.0 / (bhat * bhat)
+    isq = 1.0 / (shat * shat)
+    done = 0
+    while done < max_moves:
+        best = 0.0
+        bi = -1
+        bb = -1
+        for i in range(m):
+            if moved[i]:
+                continue
+            a = rank[i]
+            s = kv[i]
+            base_b = X[0, a]
+            base_s = X[1, a]
+            for b in range(n):
+                if b == a or X[4, b] <= 0.0:
+                    continue
+                if X[0, b] + 1.0 > X[2, b] or X[1, b] + s > X[3, b]:
+                    continue
+                d = 2.0 * (X[0, b] - base_b + 1.0) * ib + 2.0 * s * (X[1, b] - base_s + s) * isq
+                if d < best:
+                    best = d
+                    bi = i
+                    bb = b
+        if bi < 0 or best > -1e-12:
+            break
+        a = rank[bi]
+        X[0, a] -= 1.0
+        X[1, a] -= kv[bi]
+        X[0, bb] += 1.0
+        X[1, bb] += kv[bi]
+        rank[bi] = bb
+        moved[bi] = True
+        out_req[done] = bi
+        out_dst[done] = bb
+        done += 1
+    return done
+
+
 def warmup() -> None:
     """Compile every kernel of this module on tiny inputs."""
     X = np.zeros((NUM_ROWS, 3))
@@ -277,3 +330,9 @@ def warmup() -> None:
     kv = np.array([4.0, 1.0])
     out = np.zeros(2, dtype=np.int64)
     assign_sequence(X, kv, np.array([0, 1]), P, 1.0, 1.0, 0, np.zeros((2, 3)), out)
+    X = np.zeros((NUM_ROWS, 2))
+    X[2:4] = np.inf
+    X[4] = 1.0
+    X[0, 0], X[1, 0] = 2.0, 5.0
+    rank = np.zeros(2, dtype=np.int64)
+    migrate(X, rank, kv, np.zeros(2, dtype=np.bool_), 1.0, 2.5, 1, out, out.copy())

@@ -13,7 +13,13 @@ import numpy as np
 
 from lbkit.core.validation import as_int_array, check_choice
 
-__all__ = ["OBJECTIVES", "ExactAssignment", "assign_exact", "batch_objective"]
+__all__ = [
+    "OBJECTIVES",
+    "ExactAssignment",
+    "assign_exact",
+    "batch_objective",
+    "best_single_migration",
+]
 
 #: ``"max"``: ``max_r max(B_r/Bhat, S_r/Shat)``; ``"sum_of_squares"``: ``sum_r (B_r/Bhat)^2 +
 #: (S_r/Shat)^2``; ``Bhat, Shat`` the means of the final state (a KV term with ``Shat = 0`` is 0).
@@ -79,3 +85,58 @@ def assign_exact(
             best_val, best = val, idx
     assert best is not None
     return ExactAssignment(best, float(best_val))
+
+
+def best_single_migration(
+    request_rank: Any,
+    request_kv_tokens: Any,
+    num_ranks: int,
+    *,
+    eligible: Any = None,
+    max_batch: Any = None,
+    max_kv_tokens: Any = None,
+) -> tuple[float, int, int]:
+    """Brute force over every single move of one request to another rank.
+
+    Returns ``(objective after, request, rank)`` of the move with the lowest
+    ``sum_r (B_r/Bhat)^2 + (S_r/Shat)^2`` (means over all ranks; a zero-mean term is 0), moves
+    only to eligible ranks that stay within the capacities (``None`` = no limit, scalars
+    apply to every rank); ``(objective now, -1, -1)`` when no move is allowed.
+    """
+    rank = [int(x) for x in request_rank]
+    kv = [int(x) for x in request_kv_tokens]
+    ok = [True] * num_ranks if eligible is None else [bool(x) for x in eligible]
+
+    def cap(value: Any, r: int) -> float:
+        if value is None:
+            return float("inf")
+        return float(value) if np.ndim(value) == 0 else float(value[r])
+
+    def objective(ranks: list[int]) -> float:
+        b = [0.0] * num_ranks
+        s = [0.0] * num_ranks
+        for r, t in zip(ranks, kv, strict=True):
+            b[r] += 1
+            s[r] += t
+        out = 0.0
+        for x in (b, s):
+            mean = sum(x) / num_ranks
+            if mean > 0:
+                out += sum((v / mean) ** 2 for v in x)
+        return out
+
+    best = (objective(rank), -1, -1)
+    b_now = [rank.count(r) for r in range(num_ranks)]
+    s_now = [sum(t for q, t in zip(rank, kv, strict=True) if q == r) for r in range(num_ranks)]
+    for i in range(len(rank)):
+        for r in range(num_ranks):
+            if r == rank[i] or not ok[r]:
+                continue
+            if b_now[r] + 1 > cap(max_batch, r) or s_now[r] + kv[i] > cap(max_kv_tokens, r):
+                continue
+            moved = rank.copy()
+            moved[i] = r
+            value = objective(moved)
+            if value < best[0]:
+                best = (value, i, r)
+    return best

@@ -59,12 +59,14 @@ from lbkit.core.metrics import max_over_mean
 from lbkit.core.validation import as_int_array, as_rng, check_choice, check_int, to_numpy
 from lbkit.decode import _kernels as K
 from lbkit.decode._state import DEFAULT_COST, capacity_iv, params
+from lbkit.decode.migration import plan_migrations
 from lbkit.decode.policies import DEFAULT_POLICY, POLICIES, POLICY_CODES, Decision
 from lbkit.decode.reasons import PLACED, REASONS
 
 __all__ = [
     "DecodeBalancer",
     "DecodeStatistics",
+    "Migration",
     "RemovedRequests",
     "ReportResult",
     "RequestInfo",
@@ -152,14 +154,31 @@ class DecodeStatistics:
     drift_requests_max: int
     drift_kv_tokens_max: int
     drift_kv_tokens_total: int
+    migrated: int
+
+
+class Migration(NamedTuple):
+    """A running request moved by :meth:`DecodeBalancer.rebalance` (its KV goes with it)."""
+
+    request_id: Hashable
+    source: int
+    target: int
+    kv_tokens: int
 
 
 _COUNTERS = (
     "finished", "aborted", "handed_back", "steps",
     "reports_accepted", "reports_stale", "reports_corrected",
     "drift_requests_last", "drift_kv_tokens_last", "drift_requests_max", "drift_kv_tokens_max",
-    "drift_kv_tokens_total",
+    "drift_kv_tokens_total", "migrated",
 )  # fmt: skip
+
+
+def _caps(row: np.ndarray) -> np.ndarray | None:
+    """A capacity row of the state matrix as :func:`plan_migrations` takes it."""
+    if np.isinf(row).all():
+        return None
+    return np.where(np.isinf(row), _MAX_TOKENS * 4, row).astype(np.int64)
 
 
 def _request_id(request_id: Any) -> Hashable:
@@ -494,6 +513,99 @@ class DecodeBalancer:
         self._reproject()
         self._counts["steps"] += 1
 
+    # ------------------------------------------------------------------ migration
+    def migrate(self, request_id: Hashable, rank: int) -> int:
+        """Move a running request (with its KV) to ``rank``; returns the rank it left.
+
+        Its age, generated and expected tokens stay; look-ahead projections follow it.
+
+        Raises
+        ------
+        KeyError
+            Unknown request.
+        ValueError
+            ``rank`` unknown, not active, the request's own rank, or without room for it
+            (``max_batch``, ``max_kv_tokens``). Nothing changes then.
+
+        Runtime complexity: O(1).
+        """
+        slot = self._slot_of(request_id)
+        rank = self._rank_iv(rank)
+        s, X = self._slots, self._X
+        a = int(s[_RANK, slot])
+        kv = int(s[_KV, slot])
+        if rank == a:
+            raise ValueError(f"rank: request {request_id!r} already runs on rank {rank}")
+        if self._state[rank] != _ACTIVE:
+            raise ValueError(f"rank: {rank} is {_STATE_NAMES[self._state[rank]]}, not active")
+        if X[K.ROW_B, rank] + 1 > X[K.ROW_CAP_B, rank]:
+            raise ValueError(f"rank: {rank} is at max_batch ({int(X[K.ROW_CAP_B, rank])})")
+        if X[K.ROW_S, rank] + kv > X[K.ROW_CAP_S, rank]:
+            raise ValueError(
+                f"rank: {rank} has no room for {kv} KV tokens (max_kv_tokens "
+                f"{int(X[K.ROW_CAP_S, rank])})"
+            )
+        if self._h and self._projected(slot):
+            X[K.ROW_PB, a] -= 1.0
+            X[K.ROW_PS, a] -= kv + self._h
+            X[K.ROW_PB, rank] += 1.0
+            X[K.ROW_PS, rank] += kv + self._h
+        X[K.ROW_B, a] -= 1.0
+        X[K.ROW_S, a] -= kv
+        X[K.ROW_B, rank] += 1.0
+        X[K.ROW_S, rank] += kv
+        s[_RANK, slot] = rank
+        self._counts["migrated"] += 1
+        return a
+
+    def rebalance(self, max_moves: int) -> tuple[Migration, ...]:
+        """Migrate up to ``max_moves`` running requests to lower the default rule's objective.
+
+        The moves are those of :func:`lbkit.decode.migration.plan_migrations` on the ledger:
+        every running request may move once, to an active rank with room; requests on draining
+        ranks may leave them. The caller transfers each request's KV cache from ``source`` to
+        ``target``.
+
+        Returns
+        -------
+        tuple of Migration
+            The moves made, in order (empty when no move lowers the objective).
+
+        Runtime complexity: ``O(moves * requests * ranks)``, one numba call.
+
+        Examples
+        --------
+        A long request leaves rank 1; a short request of rank 0 takes its place:
+
+        >>> bal = DecodeBalancer(2)
+        >>> for i, kv in enumerate([5000, 5000, 100, 100, 100, 100]):
+        ...     _ = bal.admit(i, kv)
+        >>> bal.finish(1)
+        1
+        >>> bal.num_requests().tolist(), bal.kv_tokens().tolist()
+        ([3, 2], [5200, 200])
+        >>> bal.rebalance(4)
+        (Migration(request_id=2, source=0, target=1, kv_tokens=100),)
+        >>> bal.num_requests().tolist(), bal.kv_tokens().tolist()
+        ([2, 3], [5100, 300])
+        """
+        moves = check_int(max_moves, "max_moves", min_value=0)
+        used = np.flatnonzero(self._slots[_RANK] < self._n)
+        if not moves or not len(used):
+            return ()
+        plan = plan_migrations(
+            self._slots[_RANK, used], self._slots[_KV, used], num_ranks=self._n, max_moves=moves,
+            eligible=self._state == _ACTIVE, max_batch=_caps(self._X[K.ROW_CAP_B]),
+            max_kv_tokens=_caps(self._X[K.ROW_CAP_S]),
+        )  # fmt: skip
+        out = []
+        for i, src, dst in zip(plan.request, plan.source, plan.target, strict=True):
+            rid = self._rid_of[used[i]]
+            kv = int(self._slots[_KV, used[i]])
+            self.migrate(rid, int(dst))
+            out.append(Migration(rid, int(src), int(dst), kv))
+        return tuple(out)
+
     # ------------------------------------------------------------------ service
     def drain_rank(self, rank: int) -> None:
         """Stop placing new requests on ``rank``; its running requests continue.
@@ -623,6 +735,7 @@ class DecodeBalancer:
             drift_requests_max=c["drift_requests_max"],
             drift_kv_tokens_max=c["drift_kv_tokens_max"],
             drift_kv_tokens_total=c["drift_kv_tokens_total"],
+            migrated=c["migrated"],
         )
 
     def _check(self) -> None:
@@ -742,7 +855,7 @@ class DecodeBalancer:
                 bal._X[K.ROW_S, rank] += kv
             bal._reproject()
             bal._refused = [int(x) for x in s["refused"]]
-            bal._counts = {k: int(s["counts"][k]) for k in _COUNTERS}
+            bal._counts = {k: int(s["counts"].get(k, 0)) for k in _COUNTERS}
             bal._rng.bit_generator.state = s["rng"]
             bal._check()
         except (KeyError, TypeError, IndexError, AssertionError) as exc:
