@@ -52,6 +52,7 @@ TABLE_SCRIPTS = (
         ("--seeds", "10"),
         "decode_streams.json",
     ),
+    ("Decode migration", "decode_migration.py", (), "decode_migration.json"),
     ("Trace replay (simulator)", "sim_targets.py", (), "sim_targets.json"),
 )
 

@@ -76,3 +76,17 @@ def test_on_average_the_default_is_the_most_efficient_policy():
                 eff[p].append(replay(stream, ranks, p, cost=COST).efficiency)
     mean = {p: float(np.mean(v)) for p, v in eff.items()}
     assert mean["sum_of_squares"] == max(mean.values()), mean
+
+
+def test_migrating_one_request_per_step_undoes_what_departures_unbalance():
+    """Placement at admission cannot undo the imbalance departures leave; one migration per step
+    (``DecodeBalancer.rebalance(1)``) lowers both imbalances and raises the efficiency on every
+    seeded stream, by at least 0.01 (measured: 0.017-0.043 on these six streams)."""
+    for seed in range(6):
+        stream = make_stream(seed, steps=250, rate=8.0, kv_sigma=1.0, kv_median=6000.0)
+        still = replay(stream, 16, "sum_of_squares", cost=COST)
+        moved = replay(stream, 16, "sum_of_squares", cost=COST, migrate_every=1)
+        assert moved.migrated > 0 and still.migrated == 0
+        assert moved.efficiency >= still.efficiency + 0.01, seed
+        assert moved.count_imbalance < still.count_imbalance, seed
+        assert moved.kv_imbalance < still.kv_imbalance, seed

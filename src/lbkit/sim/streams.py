@@ -15,6 +15,7 @@ from typing import NamedTuple
 import numpy as np
 
 from lbkit.core import DecodeCost, balance_efficiency, imbalance
+from lbkit.core.validation import check_int
 from lbkit.decode import DecodeBalancer
 
 __all__ = ["StreamResult", "make_stream", "replay"]
@@ -33,6 +34,10 @@ class StreamResult(NamedTuple):
         :func:`lbkit.core.balance_efficiency` of the per-rank step times that ``cost`` models.
     refused : int
         Requests the balancer refused.
+    migrated : int
+        Requests moved between ranks by :meth:`~lbkit.decode.DecodeBalancer.rebalance`.
+    migrated_kv_tokens : int
+        KV tokens those moves carried (what a transfer engine copies).
     """
 
     num_requests: np.ndarray
@@ -41,6 +46,8 @@ class StreamResult(NamedTuple):
     kv_imbalance: float
     efficiency: float
     refused: int
+    migrated: int
+    migrated_kv_tokens: int
 
 
 def make_stream(
@@ -101,12 +108,15 @@ def replay(
     cost: DecodeCost,
     lookahead_steps: int = 0,
     warmup: int = 50,
+    migrate_every: int = 0,
+    max_migrations: int = 1,
 ) -> StreamResult:
     """Replay ``stream`` through a :class:`~lbkit.decode.DecodeBalancer` of ``num_ranks`` ranks.
 
     Each step: departures of the requests whose outputs are done, then the step's arrivals in
-    order (``admit`` with the request's true output length as its expected output), then the
-    loads are recorded and the balancer steps (every KV grows by one token).
+    order (``admit`` with the request's true output length as its expected output), then every
+    ``migrate_every`` steps ``rebalance(max_migrations)``, then the loads are recorded and the
+    balancer steps (every KV grows by one token).
 
     Parameters
     ----------
@@ -122,6 +132,10 @@ def replay(
         Passed to the balancer.
     warmup : int, default 50
         First steps left out of the figures (the engine fills up).
+    migrate_every : int, default 0
+        Steps between migrations of running requests (0: none; KV transfer time not modelled).
+    max_migrations : int, default 1
+        Most requests moved each time.
 
     Returns
     -------
@@ -136,14 +150,21 @@ def replay(
     >>> r = replay(make_stream(0, steps=80, rate=4.0), 4, "sum_of_squares", cost=cost, warmup=20)
     >>> r.num_requests.shape, r.refused, r.count_imbalance >= 1.0
     ((4, 60), 0, True)
+    >>> m = replay(make_stream(0, steps=80, rate=4.0), 4, "sum_of_squares", cost=cost, warmup=20,
+    ...            migrate_every=1)
+    >>> m.migrated > 0, m.kv_imbalance <= r.kv_imbalance
+    (True, True)
     """
     arrival, kv, out = stream
+    migrate_every = check_int(migrate_every, "migrate_every", min_value=0)
+    max_migrations = check_int(max_migrations, "max_migrations", min_value=0)
     steps = int(arrival.max()) + 1 if arrival.size else 1
     bal = DecodeBalancer(num_ranks, policy=policy, cost=cost, lookahead_steps=lookahead_steps)
     ends: dict[int, list[int]] = {}
     b_log = np.zeros((num_ranks, steps), dtype=np.int64)
     s_log = np.zeros((num_ranks, steps), dtype=np.int64)
     i = 0
+    moved_kv = 0
     for t in range(steps):
         for rid in ends.pop(t, []):
             bal.finish(rid)
@@ -152,11 +173,21 @@ def replay(
             if d.rank >= 0:
                 ends.setdefault(t + int(out[i]), []).append(i)
             i += 1
+        if migrate_every and t % migrate_every == 0:
+            moved_kv += sum(m.kv_tokens for m in bal.rebalance(max_migrations))
         b_log[:, t] = bal.num_requests()
         s_log[:, t] = bal.kv_tokens()
         bal.step()
     b, s = b_log[:, warmup:], s_log[:, warmup:]
     times = cost.step_time(b, s)
+    st = bal.statistics()
     return StreamResult(
-        b, s, imbalance(b), imbalance(s), balance_efficiency(times), bal.statistics().refused
+        b,
+        s,
+        imbalance(b),
+        imbalance(s),
+        balance_efficiency(times),
+        st.refused,
+        st.migrated,
+        moved_kv,
     )
