@@ -10,7 +10,7 @@ from lbkit.core.cost import PRESETS, DecodeCost
 from lbkit.core.validation import as_int_array, check_choice, check_int, to_numpy
 from lbkit.decode import _kernels as K
 
-__all__ = ["DEFAULT_COST", "SCALES", "capacity_iv", "params", "state_iv"]
+__all__ = ["DEFAULT_COST", "SCALES", "capacity_iv", "limits_iv", "params", "state_iv"]
 
 #: Normalisers of the two-dimensional scores: means over eligible ranks, or finite capacities.
 SCALES = ("mean", "capacity")
@@ -40,6 +40,14 @@ def state_iv(
     X = np.zeros((K.NUM_ROWS, n))
     X[K.ROW_B] = b
     X[K.ROW_S] = s
+    limits_iv(X, max_batch, max_kv_tokens, eligible, "like num_requests")
+    return X
+
+
+def limits_iv(X: np.ndarray, max_batch: Any, max_kv_tokens: Any, eligible: Any, like: str) -> None:
+    """Validate capacities and eligibility into the rows of ``X`` (``like``: what sets the
+    number of ranks, for the shape error)."""
+    n = X.shape[1]
     X[K.ROW_CAP_B] = capacity_iv(max_batch, "max_batch", n)
     X[K.ROW_CAP_S] = capacity_iv(max_kv_tokens, "max_kv_tokens", n)
     if eligible is None:
@@ -49,9 +57,8 @@ def state_iv(
         if ok.dtype != np.bool_:
             raise TypeError(f"eligible: must be a boolean mask, got dtype {ok.dtype}")
         if ok.shape != (n,):
-            raise ValueError(f"eligible: must have shape ({n},) like num_requests, got {ok.shape}")
+            raise ValueError(f"eligible: must have shape ({n},) {like}, got {ok.shape}")
         X[K.ROW_OK] = ok
-    return X
 
 
 def params(code: int, scale: Any, cost: Any, proj: bool = False) -> np.ndarray:

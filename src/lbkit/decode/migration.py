@@ -21,9 +21,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from lbkit.core.validation import as_int_array, check_int, to_numpy
+from lbkit.core.validation import as_int_array, check_int
 from lbkit.decode import _kernels as K
-from lbkit.decode._state import capacity_iv
+from lbkit.decode._state import limits_iv
 
 __all__ = ["Migrations", "migration_objective", "plan_migrations"]
 
@@ -85,17 +85,7 @@ def _plan_migrations_iv(
     X = np.zeros((K.NUM_ROWS, n))
     X[K.ROW_B] = np.bincount(rank, minlength=n)
     X[K.ROW_S] = np.bincount(rank, weights=kv.astype(np.float64), minlength=n)
-    X[K.ROW_CAP_B] = capacity_iv(max_batch, "max_batch", n)
-    X[K.ROW_CAP_S] = capacity_iv(max_kv_tokens, "max_kv_tokens", n)
-    if eligible is None:
-        X[K.ROW_OK] = 1.0
-    else:
-        ok = to_numpy(eligible, "eligible")
-        if ok.dtype != np.bool_:
-            raise TypeError(f"eligible: must be a boolean mask, got dtype {ok.dtype}")
-        if ok.shape != (n,):
-            raise ValueError(f"eligible: must have shape ({n},) (num_ranks), got {ok.shape}")
-        X[K.ROW_OK] = ok
+    limits_iv(X, max_batch, max_kv_tokens, eligible, "(num_ranks)")
     return rank.copy(), kv.astype(np.float64), X, moves
 
 
