@@ -715,6 +715,34 @@ def decode_admit(i, f, t, DI, DF, DK, DE, D):
 
 
 @jit
+def decode_migrate(i, g, DI, DK, D):
+    """Move running request ``i`` to flat rank ``g`` of the same engine (its KV goes with it).
+
+    Returns 0, or -1 when ``i`` is not running (finished, refused or not yet admitted) and -2
+    when ``g`` is on another engine; nothing changes then. A request waiting for the engine's
+    next step moves its pending counts too (the step's KV growth skips it wherever it is).
+    """
+    f = DI[DI_RANK, i]
+    if f < 0 or DI[DI_LEFT, i] <= 0:
+        return -1
+    ranks = np.int64(D[D_RANKS])
+    if f // ranks != g // ranks:
+        return -2
+    kv = DI[DI_KV, i]
+    DK[DK_B, f] -= 1
+    DK[DK_S, f] -= kv
+    DK[DK_B, g] += 1
+    DK[DK_S, g] += kv
+    if DI[DI_POS, i] < 0:  # pending: joined since the current step started
+        DK[DK_PB, f] -= 1
+        DK[DK_PS, f] -= kv
+        DK[DK_PB, g] += 1
+        DK[DK_PS, g] += kv
+    DI[DI_RANK, i] = g
+    return 0
+
+
+@jit
 def decode_advance(t_until, DI, DF, DK, DE, ACT, D, ACC, BINS, EVR):
     """Run every decode engine's steps up to ``t_until``; return (events, finished flag)."""
     nev = 0
@@ -746,3 +774,8 @@ def warmup() -> None:
     run = simulate_prefill(trace, "lbkit", num_engines=2, ranks_per_engine=2,
                            cost=unit.prefill, budget_s=500.0)  # fmt: skip
     simulate_decode(run, "lbkit", num_engines=1, ranks_per_engine=2, cost=unit.decode)
+    DI = np.zeros((N_DI, 1), dtype=np.int64)
+    DI[DI_LEFT] = 1
+    DI[DI_POS] = -1
+    DK = np.ones((N_DK, 2), dtype=np.int64)
+    decode_migrate(0, 1, DI, DK, np.full(N_D, 2.0))

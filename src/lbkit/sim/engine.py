@@ -719,6 +719,7 @@ def simulate_decode(
     view = DecodeView(e, r, _readonly(DK[K.DK_B]), _readonly(DK[K.DK_S]), _readonly(steps), mb, mk)
     observe = pol.observe
     route = pol.route
+    migrations = getattr(pol, "migrations", None)
     advance = K.decode_advance
     admit = K.decode_admit
 
@@ -743,6 +744,8 @@ def simulate_decode(
             DF[K.DF_FINISH, i] = t
             continue
         _advance(t)
+        if migrations is not None:
+            _migrate(migrations(now_s=t, view=view), name, DI, DK, D, nr, mb, mk)
         f = route(i, int(kv0[i]), now_s=t, view=view)
         if f >= 0:
             if not 0 <= f < nr:
@@ -783,6 +786,23 @@ def simulate_decode(
         window_s=window,
         window_sums=None if window is None else ACC[K.DACC_W :].copy(),
     )
+
+
+def _migrate(moves: Any, name: str, DI, DK, D, nr: int, mb: int | None, mk: int | None) -> None:
+    """Apply a decode policy's migrations ``[(request, flat rank), ...]`` (see the protocol)."""
+    for i, g in moves:
+        if not 0 <= g < nr:
+            raise ValueError(f"policy {name!r} migrated request {i} to rank {g} outside [0, {nr})")
+        kv = DI[K.DI_KV, i]
+        if (mb is not None and DK[K.DK_B, g] + 1 > mb) or (
+            mk is not None and DK[K.DK_S, g] + kv > mk
+        ):
+            raise ValueError(f"policy {name!r} migrated request {i} beyond a rank's capacity")
+        code = K.decode_migrate(i, g, DI, DK, D)
+        if code == -1:
+            raise ValueError(f"policy {name!r} migrated request {i}, which is not running")
+        if code == -2:
+            raise ValueError(f"policy {name!r} migrated request {i} to another engine")
 
 
 def _window_iv(window_s: Any) -> tuple[float, float] | None:

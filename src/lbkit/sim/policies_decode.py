@@ -7,6 +7,10 @@ The protocol of :func:`lbkit.sim.engine.simulate_decode` is an object with
     ``kv_tokens`` KV tokens (its prompt), or ``-1`` to refuse it.
 ``observe(finished, /, *, now_s, view) -> None``
     Requests that finished decoding since the last call (an int64 array the simulator reuses).
+``migrations(*, now_s, view) -> sequence of (request, rank)`` (optional)
+    Called before each routing decision: running requests to move to another rank of the same
+    engine (their KV goes with them; the transfer time is not modelled). The simulator checks
+    each move (running request, same engine, capacities) and raises ``ValueError`` otherwise.
 
 ``view`` is a :class:`~lbkit.sim.engine.DecodeView`: per rank the requests admitted ``B_r`` and
 their KV tokens ``S_r`` (exact at ``now_s``), the steps each engine has run, and the capacities.
@@ -36,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from lbkit.core.validation import as_rng
+from lbkit.core.validation import as_rng, check_int, check_real
 
 __all__ = [
     "DECODE_POLICIES",
@@ -150,14 +154,30 @@ class LbkitDecode:
     ``finish`` when a request leaves. It reads only the view's step counters (the clock of KV
     growth), never the per-rank loads. A request admitted during a step is charged that step's
     token too (at most one token of drift per request).
+
+    ``migrate_every_s`` (default ``None``: never) turns on migration: at most every
+    ``migrate_every_s`` seconds of simulated time, :meth:`~lbkit.decode.DecodeBalancer.rebalance`
+    with ``max_migrations`` moves, handed to the simulator through ``migrations`` (one engine
+    only: moves stay inside an engine). ``migrated_kv_tokens`` sums the KV tokens moved.
     """
 
     name = "lbkit"
 
     def __init__(self, num_engines: int, ranks_per_engine: int, *, cost: Any = None,
-                 rng: Any = None, **options: Any):  # fmt: skip
+                 rng: Any = None, migrate_every_s: float | None = None,
+                 max_migrations: int = 1, **options: Any):  # fmt: skip
         from lbkit.decode import DecodeBalancer
 
+        if migrate_every_s is not None:
+            migrate_every_s = check_real(migrate_every_s, "migrate_every_s", min_value=0.0)
+            if num_engines != 1:
+                raise ValueError(
+                    f"migrate_every_s: migration needs one decode engine, got {num_engines}"
+                )
+        self._every = migrate_every_s
+        self._moves = check_int(max_migrations, "max_migrations", min_value=0)
+        self._next_s = -np.inf
+        self.migrated_kv_tokens = 0
         self._r = ranks_per_engine
         self._e = num_engines
         self._steps = np.zeros(num_engines, dtype=np.int64)
@@ -192,6 +212,15 @@ class LbkitDecode:
         finish = self.balancer.finish
         for rid in finished.tolist():
             finish(rid)
+
+    def migrations(self, *, now_s: float, view: Any) -> list[tuple[int, int]]:
+        if self._every is None or now_s < self._next_s or not len(self.balancer):
+            return []
+        self._next_s = now_s + self._every
+        self._sync(view)
+        moves = self.balancer.rebalance(self._moves)
+        self.migrated_kv_tokens += sum(m.kv_tokens for m in moves)
+        return [(int(m.request_id), m.target) for m in moves]
 
 
 #: Decode policies by name: ``factory(num_engines, ranks_per_engine, *, cost, rng)``.
