@@ -468,6 +468,15 @@ def _recompute_loads(size, gpu_exp, load):
 
 
 @jit
+def _plan_loads(w, cnt, gpu_exp, size, load):
+    """Replica sizes from the counts, the GPU loads of the packing; returns the largest load."""
+    for e in range(w.shape[0]):
+        size[e] = w[e] / cnt[e]
+    _recompute_loads(size, gpu_exp, load)
+    return load[_argmax(load)]
+
+
+@jit
 def _repair_duplicates(size, gpu_exp, load, cap):
     """Remove two-replicas-of-one-expert-on-one-GPU where a swap does so without any GPU load
     exceeding ``cap`` (the plan's maximum): swap the duplicate with the replica elsewhere whose
@@ -732,10 +741,7 @@ def _count_search(w, num_gpus, slots, max_evals, good_enough, extra_recv, frozen
         if v < best * (1.0 - _REL_TOL):
             best = v
             gpu_exp[:, :] = trial_exp
-    for e in range(num_log):
-        size[e] = w[e] / cnt[e]
-    _recompute_loads(size, gpu_exp, load)
-    return load[_argmax(load)]
+    return _plan_loads(w, cnt, gpu_exp, size, load)
 
 
 #: Second starts of the count search on large sub-problems (more than 32 replicas, 3 or more
@@ -858,10 +864,7 @@ def solve_subproblem_to(w, num_gpus, slots, max_evals, stop_gap, target, cnt, gp
         best = _second_starts(
             w, num_gpus, slots, max_evals, good_enough, best, cnt, gpu_exp, trial_cnt, trial_exp
         )
-    for e in range(num_log):
-        size[e] = w[e] / cnt[e]
-    _recompute_loads(size, gpu_exp, load)
-    best = load[_argmax(load)]
+    best = _plan_loads(w, cnt, gpu_exp, size, load)
     if num_phy <= EXACT_MAX_REPLICAS and total > 0.0:
         # Small sub-problem: exact search for a strictly better plan, while one exists and the
         # node budget lasts (each success lowers the cap).
@@ -879,10 +882,7 @@ def solve_subproblem_to(w, num_gpus, slots, max_evals, stop_gap, target, cnt, gp
             )
             if found > 0:
                 _adopt(trial_cnt, trial_exp, cnt, gpu_exp)
-                for e in range(num_log):
-                    size[e] = w[e] / cnt[e]
-                _recompute_loads(size, gpu_exp, load)
-                best = load[_argmax(load)]
+                best = _plan_loads(w, cnt, gpu_exp, size, load)
     if _count_duplicates(gpu_exp) > 0:
         _repair_duplicates(size, gpu_exp, load, best)
     if num_phy <= EXACT_MAX_REPLICAS and _count_duplicates(gpu_exp) > 0:
@@ -892,9 +892,7 @@ def solve_subproblem_to(w, num_gpus, slots, max_evals, stop_gap, target, cnt, gp
         )
         if found > 0:
             _adopt(trial_cnt, trial_exp, cnt, gpu_exp)
-            for e in range(num_log):
-                size[e] = w[e] / cnt[e]
-            _recompute_loads(size, gpu_exp, load)
+            _plan_loads(w, cnt, gpu_exp, size, load)
     return load[_argmax(load)]
 
 
