@@ -59,7 +59,7 @@ from lbkit.core.metrics import max_over_mean
 from lbkit.core.validation import as_int_array, as_rng, check_choice, check_int, to_numpy
 from lbkit.decode import _kernels as K
 from lbkit.decode._state import DEFAULT_COST, capacity_iv, params
-from lbkit.decode.migration import plan_migrations
+from lbkit.decode.migration import _plan_on
 from lbkit.decode.policies import DEFAULT_POLICY, POLICIES, POLICY_CODES, Decision
 from lbkit.decode.reasons import PLACED, REASONS
 
@@ -172,13 +172,6 @@ _COUNTERS = (
     "drift_requests_last", "drift_kv_tokens_last", "drift_requests_max", "drift_kv_tokens_max",
     "drift_kv_tokens_total", "migrated",
 )  # fmt: skip
-
-
-def _caps(row: np.ndarray) -> np.ndarray | None:
-    """A capacity row of the state matrix as :func:`plan_migrations` takes it."""
-    if np.isinf(row).all():
-        return None
-    return np.where(np.isinf(row), _MAX_TOKENS * 4, row).astype(np.int64)
 
 
 def _request_id(request_id: Any) -> Hashable:
@@ -545,6 +538,14 @@ class DecodeBalancer:
                 f"rank: {rank} has no room for {kv} KV tokens (max_kv_tokens "
                 f"{int(X[K.ROW_CAP_S, rank])})"
             )
+        self._move(slot, rank)
+        return a
+
+    def _move(self, slot: int, rank: int) -> None:
+        """Move the request in ``slot`` to ``rank`` in the ledger (checked by the caller)."""
+        s, X = self._slots, self._X
+        a = int(s[_RANK, slot])
+        kv = int(s[_KV, slot])
         if self._h and self._projected(slot):
             X[K.ROW_PB, a] -= 1.0
             X[K.ROW_PS, a] -= kv + self._h
@@ -556,7 +557,6 @@ class DecodeBalancer:
         X[K.ROW_S, rank] += kv
         s[_RANK, slot] = rank
         self._counts["migrated"] += 1
-        return a
 
     def rebalance(self, max_moves: int) -> tuple[Migration, ...]:
         """Migrate up to ``max_moves`` running requests to lower the default rule's objective.
@@ -593,17 +593,17 @@ class DecodeBalancer:
         used = np.flatnonzero(self._slots[_RANK] < self._n)
         if not moves or not len(used):
             return ()
-        plan = plan_migrations(
-            self._slots[_RANK, used], self._slots[_KV, used], num_ranks=self._n, max_moves=moves,
-            eligible=self._state == _ACTIVE, max_batch=_caps(self._X[K.ROW_CAP_B]),
-            max_kv_tokens=_caps(self._X[K.ROW_CAP_S]),
+        # The ledger is the plan's state matrix: counts, KV, capacities, eligibility (= active).
+        plan = _plan_on(
+            self._slots[_RANK, used], self._slots[_KV, used].astype(np.float64), self._X.copy(),
+            moves,
         )  # fmt: skip
         out = []
-        for i, src, dst in zip(plan.request, plan.source, plan.target, strict=True):
-            rid = self._rid_of[used[i]]
-            kv = int(self._slots[_KV, used[i]])
-            self.migrate(rid, int(dst))
-            out.append(Migration(rid, int(src), int(dst), kv))
+        for i, src, dst in zip(plan.request.tolist(), plan.source.tolist(),
+                               plan.target.tolist(), strict=True):  # fmt: skip
+            slot = int(used[i])
+            out.append(Migration(self._rid_of[slot], src, dst, int(self._slots[_KV, slot])))
+            self._move(slot, dst)
         return tuple(out)
 
     # ------------------------------------------------------------------ service

@@ -153,6 +153,14 @@ def plan_migrations(
     rank, kv, X, moves = _plan_migrations_iv(
         request_rank, request_kv_tokens, num_ranks, max_moves, eligible, max_batch, max_kv_tokens
     )
+    return _plan_on(rank, kv, X, moves)
+
+
+def _plan_on(rank: np.ndarray, kv: np.ndarray, X: np.ndarray, moves: int) -> Migrations:
+    """:func:`plan_migrations` on clean arrays: ``rank`` (int64) and ``kv`` (float64) per request
+    (``rank`` becomes the ranks after the moves), ``X`` a state matrix of the kernels whose
+    ledger rows agree with them (``ROW_B``/``ROW_S`` are updated; capacities and eligibility
+    read)."""
     before = migration_objective(X[K.ROW_B], X[K.ROW_S])
     n_req = rank.shape[0]
     bhat = X[K.ROW_B].mean()
