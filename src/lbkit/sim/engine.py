@@ -750,9 +750,7 @@ def simulate_decode(
         if f >= 0:
             if not 0 <= f < nr:
                 raise ValueError(f"policy {name!r} returned rank {f} outside [0, {nr})")
-            if (mb is not None and DK[K.DK_B, f] + 1 > mb) or (
-                mk is not None and DK[K.DK_S, f] + kv0[i] > mk
-            ):
+            if _over_capacity(DK, f, kv0[i], mb, mk):
                 raise ValueError(f"policy {name!r} placed request {i} beyond a rank's capacity")
             admit(i, f, t, DI, DF, DK, DE, D)
         if on_progress is not None and (j + 1) % 1000 == 0:
@@ -788,15 +786,19 @@ def simulate_decode(
     )
 
 
+def _over_capacity(DK: np.ndarray, f: int, kv: int, mb: int | None, mk: int | None) -> bool:
+    """Whether one more request of ``kv`` tokens on flat rank ``f`` exceeds a capacity."""
+    return (mb is not None and DK[K.DK_B, f] + 1 > mb) or (
+        mk is not None and DK[K.DK_S, f] + kv > mk
+    )
+
+
 def _migrate(moves: Any, name: str, DI, DK, D, nr: int, mb: int | None, mk: int | None) -> None:
     """Apply a decode policy's migrations ``[(request, flat rank), ...]`` (see the protocol)."""
     for i, g in moves:
         if not 0 <= g < nr:
             raise ValueError(f"policy {name!r} migrated request {i} to rank {g} outside [0, {nr})")
-        kv = DI[K.DI_KV, i]
-        if (mb is not None and DK[K.DK_B, g] + 1 > mb) or (
-            mk is not None and DK[K.DK_S, g] + kv > mk
-        ):
+        if _over_capacity(DK, g, DI[K.DI_KV, i], mb, mk):
             raise ValueError(f"policy {name!r} migrated request {i} beyond a rank's capacity")
         code = K.decode_migrate(i, g, DI, DK, D)
         if code == -1:
