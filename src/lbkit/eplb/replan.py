@@ -592,7 +592,7 @@ def _select(moves: np.ndarray, lb: np.ndarray, cap: float) -> np.ndarray:
     top = int(np.where(ok, m, 0).max(axis=1).sum())
     best = np.zeros(top + 1)  # best[t]: smallest sum of lb with exactly t moves so far
     best[1:] = np.inf
-    arg = np.zeros((layers, top + 1), dtype=np.int16)  # candidate index (at most 7 per layer)
+    arg = np.zeros((layers, top + 1), dtype=np.int16)  # candidate index (at most 14 per layer)
     for i in range(layers):
         nxt = np.full(top + 1, np.inf)
         for c in range(width):
