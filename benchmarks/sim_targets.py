@@ -160,6 +160,15 @@ def _wake_sweep(name, trace, u):
 
 #: Migration settings of the decode-only migration table: (seconds between rebalances, moves).
 MIGRATIONS = ((0.05, 1), (0.02, 1), (0.0, 1))
+#: KV bytes per token of DeepSeek-V3 (MLA cache in BF16: 61 layers x (512 + 64) values x 2 bytes).
+KV_BYTES_PER_TOKEN = 61 * 576 * 2
+#: KV transfer models of the migration table: (label, latency s, seconds per KV token). 40 GB/s is
+#: about what one 400 Gb/s RDMA link per GPU delivers between nodes; 10 GB/s a congested link.
+TRANSFERS = (
+    ("not modelled", 0.0, 0.0),
+    ("40 GB/s", 0.5e-3, KV_BYTES_PER_TOKEN / 40e9),
+    ("10 GB/s", 0.5e-3, KV_BYTES_PER_TOKEN / 10e9),
+)
 
 
 def _decode_migration(traces):
@@ -170,19 +179,26 @@ def _decode_migration(traces):
         for batch in DECODE_BATCHES:
             scaled, _, _ = scale_to_decode_batch(trace, float(batch), num_engines=1,
                                                  ranks_per_engine=64, cost=cost)  # fmt: skip
-            for every, k in ((None, 0), *MIGRATIONS):
+            cases = [(None, 0, *TRANSFERS[0])]
+            cases += [(every, k, *tr) for tr in TRANSFERS for every, k in MIGRATIONS]
+            for every, k, label, lat, per_token in cases:
                 pol = LbkitDecode(1, 64, migrate_every_s=every, max_migrations=max(k, 1))
                 run = simulate_decode(scaled, pol, num_engines=1, ranks_per_engine=64, cost=cost,
-                                      window_s=steady_window(scaled))  # fmt: skip
-                w = decode_metrics(run, total_tokens=scaled.total_tokens)["window"]
-                moved = pol.balancer.statistics().migrated
+                                      window_s=steady_window(scaled), migration_latency_s=lat,
+                                      migration_s_per_kv_token=per_token)  # fmt: skip
+                m = decode_metrics(run, total_tokens=scaled.total_tokens)
+                w = m["window"]
+                moved = run.migrations
                 ok = (w["balance_efficiency"] >= 0.97 and w["count_imbalance"] <= 1.05
                       and w["kv_imbalance"] <= 1.05)  # fmt: skip
                 rows.append([name, batch, "none" if every is None else f"{k} every {every} s",
+                             "-" if every is None else label,
                              round(w["balance_efficiency"], 4), round(w["count_imbalance"], 3),
                              round(w["kv_imbalance"], 3), round(w["batch_per_rank_mean"], 1),
+                             round(1e3 * m["tpot_p50_s"], 2), round(1e3 * m["tpot_p99_s"], 2),
                              moved, round(100 * moved / len(trace), 1),
                              round(pol.migrated_kv_tokens / max(moved, 1)),
+                             round(1e3 * run.migration_s / max(moved, 1), 1),
                              "yes" if ok else "no"])  # fmt: skip
                 print(name, "migration", rows[-1], flush=True)
     return rows
@@ -253,10 +269,15 @@ def main() -> None:
          "note": "The decode-only replay above with lbkit's balancer migrating running requests "
                  "(LbkitDecode(migrate_every_s=..., max_migrations=...): DecodeBalancer.rebalance "
                  "at most every so many seconds, checked at each arrival; one engine step takes "
-                 "about 0.03-0.04 s here). KV transfer time is not modelled; KV per move is what "
-                 "a transfer carries. Met: balance >= 0.97 and both imbalances <= 1.05.",
-         "columns": ["trace", "batch target", "migration", "balance", "count imb", "KV imb",
-                     "batch/rank", "requests moved", "moved % of requests", "KV tokens per move",
+                 "about 0.03-0.04 s here). Transfer: the KV transfer time of a move "
+                 "(simulate_decode migration_latency_s=0.5 ms, migration_s_per_kv_token = "
+                 "70,272 bytes per token of DeepSeek-V3's BF16 MLA cache over the bandwidth), "
+                 "during which the request does not decode; 'not modelled': it keeps decoding. "
+                 "TPOT in ms over all requests; transfer ms: mean per move. Met: balance >= 0.97 "
+                 "and both imbalances <= 1.05.",
+         "columns": ["trace", "batch target", "migration", "transfer", "balance", "count imb",
+                     "KV imb", "batch/rank", "TPOT p50", "TPOT p99", "moves",
+                     "moves per 100 requests", "KV tokens per move", "transfer ms per move",
                      "met"],
          "rows": mig_rows},
         {"title": "Prefill pool, 16 engines x 4 ranks",

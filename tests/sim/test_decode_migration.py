@@ -108,23 +108,156 @@ def test_lbkit_decode_migration_options_are_checked():
         LbkitDecode(1, 4, migrate_every_s=0.1, max_migrations=-1)
 
 
+def _state(delay_per_token, in_step):
+    """Engine 0 of two ranks: request 0 active on rank 0, 1 and 2 pending on rank 0, 3 absent."""
+    DI = np.zeros((K.N_DI, 4), dtype=np.int64)
+    DI[K.DI_RANK] = [0, 0, 0, -1]
+    DI[K.DI_LEFT] = [5, 5, 5, 5]
+    DI[K.DI_KV] = [70, 10, 20, 30]
+    DI[K.DI_POS] = [0, -1, -1, -1]
+    DI[K.DI_NEXT] = [-1, 2, -1, -1]
+    DF = np.full((K.N_DF, 4), np.nan)
+    DK = np.zeros((K.N_DK, 2), dtype=np.int64)
+    DK[K.DK_B, 0], DK[K.DK_S, 0], DK[K.DK_PB, 0], DK[K.DK_PS, 0] = 3, 100, 2, 30
+    DE = np.zeros((K.N_DE, 1))
+    DE[K.DE_END] = 7.0 if in_step else np.inf
+    DE[K.DE_NACT], DE[K.DE_PHEAD], DE[K.DE_PTAIL], DE[K.DE_THEAD] = 1, 1, 2, -1
+    ACT = np.zeros((1, 4), dtype=np.int64)
+    D = np.zeros(K.N_D)
+    D[K.D_RANKS] = 2
+    D[K.D_MIG_TOKEN] = delay_per_token
+    return DI, DF, DK, DE, ACT, D
+
+
 @pytest.mark.skipif(not hasattr(K.decode_migrate, "py_func"), reason="numba JIT disabled")
-def test_decode_migrate_kernel_jit_parity():
-    t = synthetic_trace(50, rate_per_s=20.0, rng=3)
-    pol = LbkitDecode(1, 4, migrate_every_s=0.0)
-    simulate_decode(t, pol, num_engines=1, ranks_per_engine=4, cost=H800.decode)
-    for pending in (True, False):
-        outs = []
-        for fn in (K.decode_migrate, K.decode_migrate.py_func):
-            DI = np.zeros((K.N_DI, 2), dtype=np.int64)
-            DI[K.DI_RANK] = [0, -1]
-            DI[K.DI_LEFT] = [5, 5]
-            DI[K.DI_KV] = [70, 10]
-            DI[K.DI_POS] = -1 if pending else 0
-            DK = np.array([[3, 1], [500, 80], [1, 0], [70, 0]], dtype=np.int64)
-            D = np.zeros(K.N_D)
-            D[K.D_RANKS] = 2
-            codes = (fn(0, 1, DI, DK, D), fn(1, 0, DI, DK, D))
-            outs.append((codes, DI.tolist(), DK.tolist()))
-        assert outs[0] == outs[1]
-        assert outs[0][0] == (0, -1)
+@pytest.mark.parametrize("delay_per_token", [0.0, 0.01])
+@pytest.mark.parametrize("in_step", [False, True])
+def test_decode_migrate_kernel_jit_parity(delay_per_token, in_step):
+    moves = [(0, 1), (2, 1), (1, 1), (1, 0), (3, 0), (0, 0), (0, 2)]
+    outs = []
+    for fn in (K.decode_migrate, K.decode_migrate.py_func):
+        arrays = _state(delay_per_token, in_step)
+        codes = [fn(i, g, 1.0 + j, *arrays) for j, (i, g) in enumerate(moves)]
+        outs.append((codes, arrays))
+    assert outs[0][0] == outs[1][0] == [0, 0, 0, 0, -1, 0, -2]
+    for a, b in zip(outs[0][1], outs[1][1], strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_decode_migrate_kernel_keeps_the_ledger():
+    """Counts follow the request; with a transfer time it leaves the pending list for the
+    transit list (or, in a running step, is marked to leave at the step's end)."""
+    DI, DF, DK, DE, ACT, D = _state(0.01, in_step=True)
+    assert K.decode_migrate(2, 1, 1.0, DI, DF, DK, DE, ACT, D) == 0  # pending, the list's tail
+    assert DE[K.DE_PHEAD, 0] == 1 and DE[K.DE_PTAIL, 0] == 1 and DE[K.DE_THEAD, 0] == 2
+    assert DI[K.DI_POS, 2] == K.POS_TRANSIT and DF[K.DF_READY, 2] == pytest.approx(1.2)
+    assert K.decode_migrate(0, 1, 2.0, DI, DF, DK, DE, ACT, D) == 0  # active in the step
+    assert DE[K.DE_NACT, 0] == 1 and DI[K.DI_POS, 0] == 0 and DF[K.DF_READY, 0] == 2.7
+    np.testing.assert_array_equal(DK[K.DK_B], [1, 2])
+    np.testing.assert_array_equal(DK[K.DK_S], [10, 90])
+    np.testing.assert_array_equal(DK[K.DK_PB], [1, 0])
+    np.testing.assert_array_equal(DK[K.DK_TB], [0, 2])
+    np.testing.assert_array_equal(DK[K.DK_TS], [0, 90])
+
+
+class _Scripted:
+    """Routes every request to rank 0; at the first decision at or after ``at_s`` asks to move
+    ``request`` to ``rank``."""
+
+    def __init__(self, request, rank, at_s):
+        self.move, self.at_s, self.done = (request, rank), at_s, False
+        self.views = []
+
+    def route(self, request, kv_tokens, /, *, now_s, view):
+        return 0
+
+    def observe(self, finished, /, *, now_s, view):
+        self.views.append((view.num_requests.copy(), view.kv_tokens.copy()))
+
+    def migrations(self, *, now_s, view):
+        if now_s >= self.at_s and not self.done:
+            self.done = True
+            return [self.move]
+        return []
+
+
+def test_transfer_time_stalls_the_migrated_request():
+    """Unit costs (step ``1 + B + 0.001 S``): request 0 (1,000 tokens, 10 steps) is moved at
+    5 s, during its second step (3.0-6.001 s); it finishes that step, waits for its
+    1,001 x 0.01 s transfer (until 15.01 s) while request 1 runs alone (6.001-8.101 s), then
+    runs its last 8 steps on rank 1 (16 + 0.001 x (1,002 + ... + 1,009) s)."""
+    unit = PRESETS["unit"]
+    t = Trace(arrival_s=[0.0, 5.0], total_tokens=[1000, 100], output_tokens=[11, 2])
+    kw = dict(num_engines=1, ranks_per_engine=2, cost=unit.decode)
+    run = simulate_decode(t, _Scripted(0, 1, 5.0), migration_s_per_kv_token=0.01, **kw)
+    assert run.rank.tolist() == [1, 0]
+    assert run.finish_s[1] == pytest.approx(8.101)
+    assert run.finish_s[0] == pytest.approx(15.01 + 16 + 0.001 * sum(range(1002, 1010)))
+    assert run.migrations == 1 and run.migration_s == pytest.approx(10.01)
+    assert run.tokens_generated == 11 and run.num_steps == 11
+    # without a transfer time it keeps its pace (steps of both ranks overlap)
+    free = simulate_decode(t, _Scripted(0, 1, 5.0), **kw)
+    assert free.migrations == 1 and free.migration_s == 0.0
+    assert free.finish_s[0] < run.finish_s[0] - 9.0 and free.tokens_generated == 11
+
+
+def test_transfer_with_a_latency_only():
+    unit = PRESETS["unit"]
+    t = Trace(arrival_s=[0.0, 5.0], total_tokens=[1000, 100], output_tokens=[11, 2])
+    pol = _Scripted(0, 1, 5.0)
+    run = simulate_decode(t, pol, num_engines=1, ranks_per_engine=2, cost=unit.decode,
+                          migration_latency_s=20.0)  # fmt: skip
+    assert run.migration_s == 20.0
+    assert run.finish_s[0] == pytest.approx(25.0 + 16 + 0.001 * sum(range(1002, 1010)))
+    # the simulator's ledger is empty at the end: the transfer's reservation was released
+    assert pol.views[-1][0].sum() == 0 and pol.views[-1][1].sum() == 0
+
+
+class _RandomMigrator:
+    """Least-requests routing; at every decision moves one random running request."""
+
+    def __init__(self, ranks, seed):
+        self.rng = np.random.default_rng(seed)
+        self.ranks = ranks
+        self.running = set()
+        self.last_view = None
+
+    def route(self, request, kv_tokens, /, *, now_s, view):
+        self.running.add(request)
+        return int(np.argmin(view.num_requests))
+
+    def observe(self, finished, /, *, now_s, view):
+        self.running.difference_update(finished.tolist())
+        self.last_view = view
+
+    def migrations(self, *, now_s, view):
+        if not self.running or self.rng.random() < 0.3:
+            return []
+        i = sorted(self.running)[self.rng.integers(len(self.running))]
+        return [(i, int(self.rng.integers(self.ranks)))]
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("latency_s", [0.0, 0.003, 0.05])
+def test_random_migrations_with_transfers_conserve_every_token(seed, latency_s):
+    """Whatever the moves (pending, mid-step, in transit, to the same rank), every request
+    generates exactly its tokens and the per-rank ledger empties."""
+    t = synthetic_trace(300, rate_per_s=200.0, rng=seed)
+    pol = _RandomMigrator(4, seed)
+    run = simulate_decode(t, pol, num_engines=1, ranks_per_engine=4, cost=H800.decode,
+                          migration_latency_s=latency_s, migration_s_per_kv_token=1e-6)  # fmt: skip
+    fin = run.output_tokens > 1
+    assert not np.isnan(run.finish_s[fin]).any()
+    assert run.tokens_generated == int((t.output_tokens[fin] - 1).sum())
+    assert run.migrations > 0 and run.migration_s > 0.0
+    assert pol.last_view.num_requests.sum() == 0 and pol.last_view.kv_tokens.sum() == 0
+    m = decode_metrics(run)
+    assert m["finished"] + m["refused"] + m["in_flight"] == m["arrived"]
+
+
+def test_transfer_options_are_checked():
+    t = Trace(arrival_s=[0.0], total_tokens=[10], output_tokens=[3])
+    with pytest.raises(ValueError, match="migration_latency_s"):
+        simulate_decode(t, "lbkit", cost=H800.decode, migration_latency_s=-1.0)
+    with pytest.raises(ValueError, match="migration_s_per_kv_token"):
+        simulate_decode(t, "lbkit", cost=H800.decode, migration_s_per_kv_token=float("nan"))

@@ -28,7 +28,12 @@ Requests ``DI[DI_*, i]``, ``DF[DF_*, i]``; ranks ``DK[DK_*, r]``; engines ``DE[D
 requests of engine ``e`` are ``ACT[e, :DE_NACT]`` (dense, swap-removed). Admitted requests wait in
 a per-engine FIFO list (``DI_NEXT``) and join at the next step. One step: every active request
 generates one token (its KV grows by one); a request leaves at the end of the step that generated
-its last token.
+its last token. A request migrated with a transfer time (``D_MIG_LAT + D_MIG_TOKEN * kv > 0``)
+stops decoding: it finishes the step it is in (``DF_READY`` set marks it), then waits in the
+engine's transit list (``DE_THEAD``, linked by ``DI_NEXT``, ``DI_POS == -2``) until ``DF_READY``
+and joins the first step that starts after that. From the move on it counts on its new rank
+(``DK_B``, ``DK_S``: memory is reserved there) and in ``DK_TB``, ``DK_TS``, which step times and
+KV growth leave out.
 """
 
 from __future__ import annotations
@@ -79,14 +84,17 @@ EV_FINISH, EV_PROGRESS, EV_MOVE = 0, 1, 2
 # ---------------------------------------------------------------- decode layout
 DI_RANK, DI_LEFT, DI_KV, DI_NEXT, DI_POS = 0, 1, 2, 3, 4
 N_DI = 5
-DF_JOIN, DF_FINISH = 0, 1
-N_DF = 2
-DK_B, DK_S, DK_PB, DK_PS = 0, 1, 2, 3
-N_DK = 4
-DE_END, DE_READY, DE_NACT, DE_PHEAD, DE_PTAIL, DE_STEPS = 0, 1, 2, 3, 4, 5
-N_DE = 6
+DF_JOIN, DF_FINISH, DF_READY = 0, 1, 2
+N_DF = 3
+DK_B, DK_S, DK_PB, DK_PS, DK_TB, DK_TS = 0, 1, 2, 3, 4, 5
+N_DK = 6
+DE_END, DE_READY, DE_NACT, DE_PHEAD, DE_PTAIL, DE_STEPS, DE_THEAD = 0, 1, 2, 3, 4, 5, 6
+N_DE = 7
 D_A, D_B, D_K, D_MAX, D_RANKS, D_BIN_S, D_W0, D_W1 = 0, 1, 2, 3, 4, 5, 6, 7
-N_D = 8
+D_MIG_LAT, D_MIG_TOKEN = 8, 9
+N_D = 10
+#: ``DI_POS`` of a request in transit (migrated, not decoding until ``DF_READY``).
+POS_TRANSIT = -2
 DACC_MEAN, DACC_MAX, DACC_TIME, DACC_BIMB, DACC_SIMB, DACC_STEPS, DACC_TOKENS = range(7)
 DACC_BFLOOR = 7
 N_DACC = 8
@@ -597,7 +605,7 @@ def _rank_time(D, b, s):
 
 
 @jit
-def _decode_start(e, DI, DK, DE, ACT, D, ACC, BINS):
+def _decode_start(e, DI, DF, DK, DE, ACT, D, ACC, BINS):
     ranks = np.int64(D[D_RANKS])
     # pending requests join
     i = np.int64(DE[DE_PHEAD, e])
@@ -609,9 +617,31 @@ def _decode_start(e, DI, DK, DE, ACT, D, ACC, BINS):
         DI[DI_NEXT, i] = -1
         nact += 1
         i = nxt
-    DE[DE_NACT, e] = nact
     DE[DE_PHEAD, e] = -1
     DE[DE_PTAIL, e] = -1
+    # migrated requests whose KV has arrived join
+    start = DE[DE_READY, e]
+    prev = np.int64(-1)
+    i = np.int64(DE[DE_THEAD, e])
+    while i >= 0:
+        nxt = DI[DI_NEXT, i]
+        if DF[DF_READY, i] <= start:
+            if prev < 0:
+                DE[DE_THEAD, e] = nxt
+            else:
+                DI[DI_NEXT, prev] = nxt
+            f = DI[DI_RANK, i]
+            DK[DK_TB, f] -= 1
+            DK[DK_TS, f] -= DI[DI_KV, i]
+            ACT[e, nact] = i
+            DI[DI_POS, i] = nact
+            DI[DI_NEXT, i] = -1
+            DF[DF_READY, i] = np.nan
+            nact += 1
+        else:
+            prev = i
+        i = nxt
+    DE[DE_NACT, e] = nact
     longest = 0.0
     total = 0.0
     bmax = 0.0
@@ -621,8 +651,8 @@ def _decode_start(e, DI, DK, DE, ACT, D, ACC, BINS):
     for f in range(e * ranks, (e + 1) * ranks):
         DK[DK_PB, f] = 0
         DK[DK_PS, f] = 0
-        b = DK[DK_B, f]
-        s = DK[DK_S, f]
+        b = DK[DK_B, f] - DK[DK_TB, f]
+        s = DK[DK_S, f] - DK[DK_TS, f]
         t = _rank_time(D, b, s)
         total += t
         if t > longest:
@@ -633,7 +663,6 @@ def _decode_start(e, DI, DK, DE, ACT, D, ACC, BINS):
             bmax = b
         if s > smax:
             smax = s
-    start = DE[DE_READY, e]
     DE[DE_END, e] = start + longest
     mean = total / ranks
     bimb = bmax * ranks / btot if btot > 0 else 1.0
@@ -665,25 +694,39 @@ def _decode_end(e, DI, DF, DK, DE, ACT, D, EVR, nev):
     ranks = np.int64(D[D_RANKS])
     end = DE[DE_END, e]
     for f in range(e * ranks, (e + 1) * ranks):
-        DK[DK_S, f] += DK[DK_B, f] - DK[DK_PB, f]
+        DK[DK_S, f] += DK[DK_B, f] - DK[DK_PB, f] - DK[DK_TB, f]
     k = 0
     nact = np.int64(DE[DE_NACT, e])
     while k < nact:
         i = ACT[e, k]
         DI[DI_KV, i] += 1
         DI[DI_LEFT, i] -= 1
-        if DI[DI_LEFT, i] == 0:
+        leaving = not np.isnan(DF[DF_READY, i])
+        if leaving:  # migrated during the step: its token counts on the new rank
             f = DI[DI_RANK, i]
-            DK[DK_B, f] -= 1
-            DK[DK_S, f] -= DI[DI_KV, i]
-            DF[DF_FINISH, i] = end
-            EVR[nev] = i
-            nev += 1
+            DK[DK_S, f] += 1
+            DK[DK_TS, f] += 1
+        if DI[DI_LEFT, i] == 0 or leaving:
             nact -= 1
             last = ACT[e, nact]
             ACT[e, k] = last
             DI[DI_POS, last] = k
             DI[DI_POS, i] = -1
+            if DI[DI_LEFT, i] == 0:
+                f = DI[DI_RANK, i]
+                DK[DK_B, f] -= 1
+                DK[DK_S, f] -= DI[DI_KV, i]
+                if leaving:
+                    DK[DK_TB, f] -= 1
+                    DK[DK_TS, f] -= DI[DI_KV, i]
+                    DF[DF_READY, i] = np.nan
+                DF[DF_FINISH, i] = end
+                EVR[nev] = i
+                nev += 1
+            else:
+                DI[DI_POS, i] = POS_TRANSIT
+                DI[DI_NEXT, i] = np.int64(DE[DE_THEAD, e])
+                DE[DE_THEAD, e] = i
         else:
             k += 1
     DE[DE_NACT, e] = nact
@@ -715,30 +758,76 @@ def decode_admit(i, f, t, DI, DF, DK, DE, D):
 
 
 @jit
-def decode_migrate(i, g, DI, DK, D):
-    """Move running request ``i`` to flat rank ``g`` of the same engine (its KV goes with it).
+def decode_migrate(i, g, t, DI, DF, DK, DE, ACT, D):
+    """Move running request ``i`` to flat rank ``g`` of the same engine at time ``t``.
 
-    Returns 0, or -1 when ``i`` is not running (finished, refused or not yet admitted) and -2
-    when ``g`` is on another engine; nothing changes then. A request waiting for the engine's
-    next step moves its pending counts too (the step's KV growth skips it wherever it is).
+    Without a transfer time the request keeps decoding (a request waiting for the engine's next
+    step moves its pending counts too: the step's KV growth skips it wherever it is). With one,
+    it stops decoding until ``t + D_MIG_LAT + D_MIG_TOKEN * kv``: a request in a running step
+    finishes that step first, a pending one enters the transit list at once, and one already
+    moving restarts its transfer towards ``g``. Returns 0, or -1 when ``i`` is not running
+    (finished, refused or not yet admitted) and -2 when ``g`` is on another engine; nothing
+    changes then (nor when ``g`` is its rank).
     """
     f = DI[DI_RANK, i]
     if f < 0 or DI[DI_LEFT, i] <= 0:
         return -1
     ranks = np.int64(D[D_RANKS])
-    if f // ranks != g // ranks:
+    e = f // ranks
+    if e != g // ranks:
         return -2
+    if f == g:
+        return 0
     kv = DI[DI_KV, i]
     DK[DK_B, f] -= 1
     DK[DK_S, f] -= kv
     DK[DK_B, g] += 1
     DK[DK_S, g] += kv
-    if DI[DI_POS, i] < 0:  # pending: joined since the current step started
+    DI[DI_RANK, i] = g
+    pos = DI[DI_POS, i]
+    delay = D[D_MIG_LAT] + D[D_MIG_TOKEN] * kv
+    if pos == POS_TRANSIT or (pos >= 0 and not np.isnan(DF[DF_READY, i])):
+        # already moving: the transfer restarts towards g
+        DK[DK_TB, f] -= 1
+        DK[DK_TS, f] -= kv
+    elif pos < 0:  # pending: joined since the current step started
         DK[DK_PB, f] -= 1
         DK[DK_PS, f] -= kv
-        DK[DK_PB, g] += 1
-        DK[DK_PS, g] += kv
-    DI[DI_RANK, i] = g
+        if delay <= 0.0:
+            DK[DK_PB, g] += 1
+            DK[DK_PS, g] += kv
+            return 0
+        # unlink from the engine's pending list; it waits in the transit list instead
+        prev = np.int64(-1)
+        j = np.int64(DE[DE_PHEAD, e])
+        while j != i:
+            prev = j
+            j = DI[DI_NEXT, j]
+        nxt = DI[DI_NEXT, i]
+        if prev < 0:
+            DE[DE_PHEAD, e] = nxt
+        else:
+            DI[DI_NEXT, prev] = nxt
+        if DE[DE_PTAIL, e] == i:
+            DE[DE_PTAIL, e] = prev
+        DI[DI_POS, i] = POS_TRANSIT
+        DI[DI_NEXT, i] = np.int64(DE[DE_THEAD, e])
+        DE[DE_THEAD, e] = i
+    elif delay <= 0.0:
+        return 0
+    elif DE[DE_END, e] == np.inf:  # active between steps: leaves the active set now
+        nact = np.int64(DE[DE_NACT, e]) - 1
+        last = ACT[e, nact]
+        ACT[e, pos] = last
+        DI[DI_POS, last] = pos
+        DE[DE_NACT, e] = nact
+        DI[DI_POS, i] = POS_TRANSIT
+        DI[DI_NEXT, i] = np.int64(DE[DE_THEAD, e])
+        DE[DE_THEAD, e] = i
+    # else: in the running step; _decode_end moves it to the transit list
+    DK[DK_TB, g] += 1
+    DK[DK_TS, g] += kv
+    DF[DF_READY, i] = t + delay
     return 0
 
 
@@ -756,7 +845,21 @@ def decode_advance(t_until, DI, DF, DK, DE, ACT, D, ACC, BINS, EVR):
                     return nev, 0
                 nev = _decode_end(e, DI, DF, DK, DE, ACT, D, EVR, nev)
             elif (DE[DE_NACT, e] > 0 or DE[DE_PHEAD, e] >= 0) and DE[DE_READY, e] < t_until:
-                _decode_start(e, DI, DK, DE, ACT, D, ACC, BINS)
+                _decode_start(e, DI, DF, DK, DE, ACT, D, ACC, BINS)
+            elif DE[DE_THEAD, e] >= 0:
+                # idle but for migrated requests: the next step starts when the first arrives
+                first = np.inf
+                i = np.int64(DE[DE_THEAD, e])
+                while i >= 0:
+                    if DF[DF_READY, i] < first:
+                        first = DF[DF_READY, i]
+                    i = DI[DI_NEXT, i]
+                if first < DE[DE_READY, e]:
+                    first = DE[DE_READY, e]
+                if first >= t_until:
+                    break
+                DE[DE_READY, e] = first
+                _decode_start(e, DI, DF, DK, DE, ACT, D, ACC, BINS)
             else:
                 break
     return nev, 1
@@ -778,4 +881,8 @@ def warmup() -> None:
     DI[DI_LEFT] = 1
     DI[DI_POS] = -1
     DK = np.ones((N_DK, 2), dtype=np.int64)
-    decode_migrate(0, 1, DI, DK, np.full(N_D, 2.0))
+    D = np.full(N_D, 2.0)
+    D[D_MIG_LAT] = 0.0
+    D[D_MIG_TOKEN] = 0.0
+    DE = np.zeros((N_DE, 1))
+    decode_migrate(0, 1, 0.0, DI, np.zeros((N_DF, 1)), DK, DE, np.zeros((1, 1), np.int64), D)

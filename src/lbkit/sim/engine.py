@@ -87,7 +87,8 @@ class DecodeView(NamedTuple):
     ----------
     num_engines, ranks_per_engine : int
     num_requests : ndarray of int64, shape (ranks,)
-        Requests admitted to each rank (running or waiting for the next step), ``B_r``.
+        Requests admitted to each rank (running, waiting for the next step, or migrated to it
+        and waiting for their KV transfer), ``B_r``.
     kv_tokens : ndarray of int64, shape (ranks,)
         KV tokens they hold, ``S_r``.
     steps : ndarray of int64, shape (engines,)
@@ -235,6 +236,10 @@ class DecodeRun:
         Over the steps starting in the window, the sums above in the order of
         ``_kernels.DACC_*``: mean and max rank time, duration, count and KV imbalance, count
         floor, steps and tokens generated (see :func:`lbkit.sim.metrics.decode_metrics`).
+    migrations : int
+        Moves of running requests the policy made (see the protocol's ``migrations``).
+    migration_s : float
+        Sum of their KV transfer times (requests in transit do not decode).
     """
 
     policy: str
@@ -259,6 +264,8 @@ class DecodeRun:
     end_s: float
     window_s: tuple[float, float] | None = None
     window_sums: np.ndarray | None = None
+    migrations: int = 0
+    migration_s: float = 0.0
 
     @property
     def arrived(self) -> np.ndarray:
@@ -619,6 +626,8 @@ def simulate_decode(
     max_kv_tokens: int | None = None,
     horizon_s: float | None = None,
     window_s: tuple[float, float] | None = None,
+    migration_latency_s: float = 0.0,
+    migration_s_per_kv_token: float = 0.0,
     rng: np.random.Generator | int | None = None,
     on_progress: Callable[[int, int], None] | None = None,
 ) -> DecodeRun:
@@ -646,6 +655,13 @@ def simulate_decode(
     window_s : (float, float), optional
         Also sum the step statistics over the steps that start in ``[start, stop)`` (e.g. the
         steady state between ramp-up and drain); see ``DecodeRun.window_sums``.
+    migration_latency_s, migration_s_per_kv_token : float, default 0
+        KV transfer time of a migrated request: ``latency + s_per_kv_token * kv_tokens``
+        seconds, during which it does not decode (it leaves its step and joins the first step of
+        its new rank that starts after the transfer; its KV is reserved there meanwhile). With
+        both 0 a migrated request keeps decoding without a pause. For example a model with
+        70,272 KV bytes per token (DeepSeek-V3's MLA cache in BF16: 61 layers x 576 values x 2
+        bytes) over 40 GB/s is ``migration_s_per_kv_token=1.76e-6``.
     rng : numpy Generator, int seed or None
     on_progress : callable(done, total), optional
 
@@ -675,6 +691,8 @@ def simulate_decode(
     mk = None if max_kv_tokens is None else check_int(max_kv_tokens, "max_kv_tokens", min_value=1)
     horizon = _horizon(horizon_s)
     window = _window_iv(window_s)
+    lat = check_real(migration_latency_s, "migration_latency_s", min_value=0.0)
+    per_token = check_real(migration_s_per_kv_token, "migration_s_per_kv_token", min_value=0.0)
     gen = as_rng(rng)
     name, pol = _policy_of(policy, _decode_table(), "decode", e, r, cost=cost, rng=gen)
     if isinstance(prefill, Trace):
@@ -702,6 +720,7 @@ def simulate_decode(
     DE[K.DE_END] = np.inf
     DE[K.DE_PHEAD] = -1
     DE[K.DE_PTAIL] = -1
+    DE[K.DE_THEAD] = -1
     steps = np.zeros(e, dtype=np.int64)
     ACT = np.zeros((e, max(n, 1)), dtype=np.int64)
     start = float(handover[order[0]]) if order.size else 0.0
@@ -710,9 +729,10 @@ def simulate_decode(
     bin_s = 2.0 * max(stop, span) / K_BINS
     w0, w1 = (-np.inf, -np.inf) if window is None else window
     D = np.array(
-        [cost.a, cost.b, cost.k, 1.0 if cost.combine == "max" else 0.0, r, bin_s, w0, w1],
+        [cost.a, cost.b, cost.k, 1.0 if cost.combine == "max" else 0.0, r, bin_s, w0, w1,
+         lat, per_token],
         dtype=np.float64,
-    )
+    )  # fmt: skip
     ACC = np.zeros(2 * K.N_DACC)
     BINS = np.zeros((2, K_BINS))
     EVR = np.zeros(n + 16, dtype=np.int64)
@@ -734,6 +754,7 @@ def simulate_decode(
                 return
 
     count = order.size
+    num_moves, move_s = 0, 0.0
     for j, i in enumerate(order.tolist()):
         t = float(handover[i])
         if t > horizon:
@@ -745,7 +766,10 @@ def simulate_decode(
             continue
         _advance(t)
         if migrations is not None:
-            _migrate(migrations(now_s=t, view=view), name, DI, DK, D, nr, mb, mk)
+            moved, moved_s = _migrate(migrations(now_s=t, view=view), name, t, DI, DF, DK, DE,
+                                      ACT, D, nr, mb, mk)  # fmt: skip
+            num_moves += moved
+            move_s += moved_s
         f = route(i, int(kv0[i]), now_s=t, view=view)
         if f >= 0:
             if not 0 <= f < nr:
@@ -783,6 +807,8 @@ def simulate_decode(
         end_s=end,
         window_s=window,
         window_sums=None if window is None else ACC[K.DACC_W :].copy(),
+        migrations=num_moves,
+        migration_s=move_s,
     )
 
 
@@ -793,18 +819,29 @@ def _over_capacity(DK: np.ndarray, f: int, kv: int, mb: int | None, mk: int | No
     )
 
 
-def _migrate(moves: Any, name: str, DI, DK, D, nr: int, mb: int | None, mk: int | None) -> None:
-    """Apply a decode policy's migrations ``[(request, flat rank), ...]`` (see the protocol)."""
+def _migrate(moves: Any, name: str, t: float, DI, DF, DK, DE, ACT, D, nr: int,
+             mb: int | None, mk: int | None) -> tuple[int, float]:  # fmt: skip
+    """Apply a decode policy's migrations ``[(request, flat rank), ...]`` (see the protocol).
+
+    Returns the number of moves and the sum of their transfer times.
+    """
+    count, total_s = 0, 0.0
     for i, g in moves:
         if not 0 <= g < nr:
             raise ValueError(f"policy {name!r} migrated request {i} to rank {g} outside [0, {nr})")
-        if _over_capacity(DK, g, DI[K.DI_KV, i], mb, mk):
+        same = DI[K.DI_RANK, i] == g
+        if not same and _over_capacity(DK, g, DI[K.DI_KV, i], mb, mk):
             raise ValueError(f"policy {name!r} migrated request {i} beyond a rank's capacity")
-        code = K.decode_migrate(i, g, DI, DK, D)
+        code = K.decode_migrate(i, g, t, DI, DF, DK, DE, ACT, D)
         if code == -1:
             raise ValueError(f"policy {name!r} migrated request {i}, which is not running")
         if code == -2:
             raise ValueError(f"policy {name!r} migrated request {i} to another engine")
+        if same:
+            continue
+        count += 1
+        total_s += float(D[K.D_MIG_LAT] + D[K.D_MIG_TOKEN] * DI[K.DI_KV, i])
+    return count, total_s
 
 
 def _window_iv(window_s: Any) -> tuple[float, float] | None:

@@ -9,8 +9,10 @@ The protocol of :func:`lbkit.sim.engine.simulate_decode` is an object with
     Requests that finished decoding since the last call (an int64 array the simulator reuses).
 ``migrations(*, now_s, view) -> sequence of (request, rank)`` (optional)
     Called before each routing decision: running requests to move to another rank of the same
-    engine (their KV goes with them; the transfer time is not modelled). The simulator checks
-    each move (running request, same engine, capacities) and raises ``ValueError`` otherwise.
+    engine (their KV goes with them, and with ``simulate_decode(migration_latency_s=,
+    migration_s_per_kv_token=)`` they stop decoding while it does; a move to the request's own
+    rank is ignored). The simulator checks each move (running request, same engine,
+    capacities) and raises ``ValueError`` otherwise.
 
 ``view`` is a :class:`~lbkit.sim.engine.DecodeView`: per rank the requests admitted ``B_r`` and
 their KV tokens ``S_r`` (exact at ``now_s``), the steps each engine has run, and the capacities.
@@ -158,7 +160,9 @@ class LbkitDecode:
     ``migrate_every_s`` (default ``None``: never) turns on migration: at most every
     ``migrate_every_s`` seconds of simulated time, :meth:`~lbkit.decode.DecodeBalancer.rebalance`
     with ``max_migrations`` moves, handed to the simulator through ``migrations`` (one engine
-    only: moves stay inside an engine). ``migrated_kv_tokens`` sums the KV tokens moved.
+    only: moves stay inside an engine). ``migrated_kv_tokens`` sums the KV tokens moved. While
+    a move's KV transfer is modelled the request does not decode, but the ledger still grows its
+    KV by a token per step (a drift of a few tokens per move).
     """
 
     name = "lbkit"
