@@ -37,6 +37,25 @@ def test_decode_only_section(tmp_path, capsys):
         assert m["window"]["steps"] > 0 and m["finished"] + m["refused"] == m["arrived"]
 
 
+def test_decode_only_with_migration(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    args = ["bench", *FAST, "--policies", "lbkit", "--decode-batch", "8", "--migrate-every",
+            "0", "--max-migrations", "2", "--migration-gbps", "40", "--json", str(out)]  # fmt: skip
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "lbkit_migrate: up to 2 move(s) every 0 s, KV transfer 1.76 us per token" in text
+    rep = json.loads(out.read_text())["decode_only"]
+    assert list(rep["decode"]) == ["lbkit", "lbkit_migrate"]
+    mig = rep["options"]["migration"]
+    assert mig["max_migrations"] == 2 and mig["s_per_kv_token"] == pytest.approx(70272 / 40e9)
+    plain, moved = rep["decode"]["lbkit"], rep["decode"]["lbkit_migrate"]
+    assert plain["migrations"] == 0 and moved["migrations"] > 0
+    # transfer seconds = s_per_kv_token x KV tokens moved (each move carries its prompt at least)
+    kv_per_move = moved["migration_s"] / moved["migrations"] / mig["s_per_kv_token"]
+    assert kv_per_move >= 1.0
+    assert moved["finished"] == plain["finished"] == moved["arrived"] - moved["refused"]
+
+
 def test_work_sharing_option(tmp_path):
     out = tmp_path / "r.json"
     args = ["bench", *FAST, "--policies", "round_robin,lbkit", "--work-sharing", "level"]
@@ -76,6 +95,19 @@ def test_trace_file(tmp_path, capsys):
     [
         (["--trace", "/no/such/file.jsonl"], "trace file not found"),
         (["--utilization", "0"], "--utilization: must be a finite number > 0"),
+        (["--migrate-every", "0.1"], "--migrate-every: needs --decode-batch"),
+        (["--decode-batch", "4", "--migrate-every", "-1"], "--migrate-every: must be a finite"),
+        (
+            ["--decode-batch", "4", "--migrate-every", "0", "--decode-engines", "2"],
+            "--migrate-every: migration needs one decode engine",
+        ),
+        (["--migration-gbps", "40"], "--migration-gbps: needs --migrate-every"),
+        (
+            ["--decode-batch", "4", "--migrate-every", "0", "--migration-gbps", "0"],
+            "--migration-gbps: must be a finite number > 0",
+        ),
+        (["--max-migrations", "0"], "--max-migrations: must be >= 1"),
+        (["--kv-bytes-per-token", "0"], "--kv-bytes-per-token: must be >= 1"),
         (["--utilization", "-0.5"], "--utilization"),
         (["--prefill-engines", "0"], "--prefill-engines: must be >= 1"),
         (["--ranks-per-engine", "-1"], "--ranks-per-engine: must be >= 1"),

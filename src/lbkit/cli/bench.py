@@ -13,6 +13,8 @@ from typing import Any
 __all__ = ["add_parser", "run"]
 
 _PROGRESS_AFTER_S = 3.0
+#: DeepSeek-V3's KV cache bytes per token (MLA latent 512 + RoPE key 64 values, 61 layers, BF16).
+KV_BYTES_PER_TOKEN = 61 * 576 * 2
 
 
 def add_parser(sub: Any) -> None:
@@ -120,6 +122,37 @@ def add_parser(sub: Any) -> None:
         "decode pools run tens of requests per rank, a load the prefill pool's handovers "
         "rarely reach",
     )
+    p.add_argument(
+        "--migrate-every",
+        type=float,
+        metavar="SECONDS",
+        help="with --decode-batch: also run lbkit's decode balancer migrating running requests "
+        "between the ranks of its engine (row lbkit_migrate; one decode engine): at most every "
+        "SECONDS of simulated time it moves up to --max-migrations requests "
+        "(DecodeBalancer.rebalance); 0 = at every arrival",
+    )
+    p.add_argument(
+        "--max-migrations",
+        type=int,
+        default=1,
+        metavar="N",
+        help="moves per rebalance with --migrate-every (default 1)",
+    )
+    p.add_argument(
+        "--migration-gbps",
+        type=float,
+        metavar="G",
+        help="with --migrate-every: KV transfer bandwidth of a move in GB/s; a moved request "
+        "stops decoding until its KV has arrived (default: transfer time not modelled)",
+    )
+    p.add_argument(
+        "--kv-bytes-per-token",
+        type=int,
+        default=KV_BYTES_PER_TOKEN,
+        metavar="B",
+        help=f"KV cache bytes per token for --migration-gbps (default {KV_BYTES_PER_TOKEN:,}: "
+        "DeepSeek-V3's MLA cache in BF16, 61 layers x 576 values x 2 bytes)",
+    )
     p.add_argument("--no-eplb", action="store_true", help="skip the EPLB comparison")
     p.add_argument(
         "--json",
@@ -179,6 +212,30 @@ def _check_args(args: argparse.Namespace) -> None:
         args.decode_batch > 0 and math.isfinite(args.decode_batch)
     ):
         raise ValueError(f"--decode-batch: must be a finite number > 0, got {args.decode_batch}")
+    if args.migrate_every is not None:
+        if args.decode_batch is None:
+            raise ValueError("--migrate-every: needs --decode-batch (decode-only replay)")
+        if not (args.migrate_every >= 0 and math.isfinite(args.migrate_every)):
+            raise ValueError(
+                f"--migrate-every: must be a finite number >= 0, got {args.migrate_every}"
+            )
+        if args.decode_engines != 1:
+            raise ValueError(
+                f"--migrate-every: migration needs one decode engine, got --decode-engines "
+                f"{args.decode_engines}"
+            )
+    elif args.migration_gbps is not None:
+        raise ValueError("--migration-gbps: needs --migrate-every")
+    if args.max_migrations < 1:
+        raise ValueError(f"--max-migrations: must be >= 1, got {args.max_migrations}")
+    if args.migration_gbps is not None and not (
+        args.migration_gbps > 0 and math.isfinite(args.migration_gbps)
+    ):
+        raise ValueError(
+            f"--migration-gbps: must be a finite number > 0, got {args.migration_gbps}"
+        )
+    if args.kv_bytes_per_token < 1:
+        raise ValueError(f"--kv-bytes-per-token: must be >= 1, got {args.kv_bytes_per_token}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -236,6 +293,11 @@ def run(args: argparse.Namespace) -> int:
                 decode_ranks=args.decode_ranks,
                 decode_policies=dp,
                 cost=args.cost,
+                migrate_every_s=args.migrate_every,
+                max_migrations=args.max_migrations,
+                migration_s_per_kv_token=0.0
+                if args.migration_gbps is None
+                else args.kv_bytes_per_token / (args.migration_gbps * 1e9),
             )
     finally:
         progress.close()
@@ -335,21 +397,39 @@ def _print_report(r: dict[str, Any], wall: float) -> None:
     if "decode_only" in r:
         d = r["decode_only"]
         w = d["workload"]
-        rows = {k: {**m["window"], "tpot_p99_s": m["tpot_p99_s"]} for k, m in d["decode"].items()}
+        rows = {
+            k: {**m["window"], "tpot_p99_s": m["tpot_p99_s"], "migrations": m["migrations"]}
+            for k, m in d["decode"].items()
+        }
         first = next(iter(rows.values()))
+        mig = d["options"].get("migration")
+        note = ""
+        if mig is not None:
+            gbps = (
+                "transfer time not modelled"
+                if mig["s_per_kv_token"] == 0
+                else f"KV transfer {mig['s_per_kv_token'] * 1e6:.3g} us per token"
+            )
+            note = (
+                f"; lbkit_migrate: up to {mig['max_migrations']} move(s) every "
+                f"{mig['every_s']:g} s, {gbps}"
+            )
+        cols = [
+            ("balance_efficiency", "balance", "r", "max"),
+            ("count_imbalance", "count imb", "r", "min"),
+            ("kv_imbalance", "KV imb", "r", "min"),
+            ("count_imbalance_floor", "count floor", "r", ""),
+            ("batch_per_rank_mean", "batch/rank", "x", ""),
+            ("tpot_p99_s", "TPOT p99", "ms", "min"),
+        ]
+        if mig is not None:
+            cols.append(("migrations", "moves", "n", ""))
         _table(
             f"Decode-only replay at about {w['batch_per_rank_target']:g} requests per rank "
             f"(arrivals x {w['time_scale']:.4g}; steady window: steps from "
-            f"{first['start_s']:.0f} s to {first['stop_s']:.0f} s; TPOT in ms)",
+            f"{first['start_s']:.0f} s to {first['stop_s']:.0f} s; TPOT in ms{note})",
             rows,
-            [
-                ("balance_efficiency", "balance", "r", "max"),
-                ("count_imbalance", "count imb", "r", "min"),
-                ("kv_imbalance", "KV imb", "r", "min"),
-                ("count_imbalance_floor", "count floor", "r", ""),
-                ("batch_per_rank_mean", "batch/rank", "x", ""),
-                ("tpot_p99_s", "TPOT p99", "ms", "min"),
-            ],
+            cols,
         )
     if "eplb" in r:
         e = r["eplb"]

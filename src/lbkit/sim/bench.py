@@ -409,11 +409,26 @@ def run_decode_bench(
     decode_ranks: int = 64,
     decode_policies: Sequence[str] | None = None,
     cost: str = "h800_dsv3",
+    migrate_every_s: float | None = None,
+    max_migrations: int = 1,
+    migration_latency_s: float = 0.0,
+    migration_s_per_kv_token: float = 0.0,
 ) -> dict[str, Any]:
     """Decode-only replay of ``trace`` loaded to ``batch_per_rank``, through every decode policy.
 
     Each request enters decode at its (time-scaled, see :func:`scale_to_decode_batch`) arrival,
     so the decode pool runs at a realistic batch whatever the prefill pool would deliver.
+
+    Parameters
+    ----------
+    migrate_every_s : float, optional
+        Also run lbkit's balancer migrating running requests (``"lbkit_migrate"``:
+        :class:`~lbkit.sim.policies_decode.LbkitDecode` with ``migrate_every_s`` and
+        ``max_migrations``; one decode engine only).
+    max_migrations : int, default 1
+        Moves per rebalance.
+    migration_latency_s, migration_s_per_kv_token : float, default 0
+        KV transfer time of a move (see :func:`~lbkit.sim.engine.simulate_decode`).
 
     Returns
     -------
@@ -436,6 +451,24 @@ def run_decode_bench(
     dnames = _names(decode_policies, DECODE_POLICIES, "decode")
     check_choice(cost, "cost", tuple(PRESETS))
     dcost = PRESETS[cost].decode
+    policies: dict[str, Any] = dict.fromkeys(dnames)
+    migration = None
+    if migrate_every_s is not None:
+        from lbkit.sim.policies_decode import LbkitDecode
+
+        # validates migrate_every_s (one engine), max_migrations
+        LbkitDecode(de, dr, migrate_every_s=migrate_every_s, max_migrations=max_migrations)
+        policies["lbkit_migrate"] = lambda: LbkitDecode(
+            de, dr, rng=seed, migrate_every_s=migrate_every_s, max_migrations=max_migrations
+        )
+        migration = {
+            "every_s": float(migrate_every_s),
+            "max_migrations": int(max_migrations),
+            "latency_s": check_real(migration_latency_s, "migration_latency_s", min_value=0.0),
+            "s_per_kv_token": check_real(
+                migration_s_per_kv_token, "migration_s_per_kv_token", min_value=0.0
+            ),
+        }
     _warmup()
     start = time.perf_counter()
     scaled, factor, measured = scale_to_decode_batch(
@@ -450,15 +483,20 @@ def run_decode_bench(
             "batch_per_rank_target": float(batch_per_rank),
             "batch_per_rank_calibrated": measured,
         },
-        "options": {"decode_engines": de, "decode_ranks": dr, "cost": cost, "seed": seed},
+        "options": {"decode_engines": de, "decode_ranks": dr, "cost": cost, "seed": seed,
+                    "migration": migration},
         "decode": {},
-    }
+    }  # fmt: skip
     timing: dict[str, Any] = {"calibration_s": time.perf_counter() - start, "decode": {}}
-    for name in dnames:
+    transfer = {} if migration is None else {
+        "migration_latency_s": migration["latency_s"],
+        "migration_s_per_kv_token": migration["s_per_kv_token"],
+    }  # fmt: skip
+    for name, make in policies.items():
         start = time.perf_counter()
         run = simulate_decode(
-            scaled, name, num_engines=de, ranks_per_engine=dr, cost=dcost, rng=seed,
-            window_s=steady_window(scaled),
+            scaled, name if make is None else make(), num_engines=de, ranks_per_engine=dr,
+            cost=dcost, rng=seed, window_s=steady_window(scaled), **transfer,
         )  # fmt: skip
         timing["decode"][name] = time.perf_counter() - start
         report["decode"][name] = decode_metrics(run, total_tokens=scaled.total_tokens)

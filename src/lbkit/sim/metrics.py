@@ -231,6 +231,8 @@ def decode_metrics(run: DecodeRun, /, *, total_tokens: np.ndarray | None = None,
         "batch_per_rank_mean": run.tokens_generated / (steps * num_ranks),
         "busy_fraction": t_total / (run.num_engines * elapsed),
         "end_s": run.end_s,
+        "migrations": run.migrations,
+        "migration_s": run.migration_s,
     }
     if total_tokens is not None:
         per: dict[str, Any] = {}
