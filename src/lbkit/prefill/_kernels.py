@@ -10,7 +10,7 @@ import numpy as np
 
 from lbkit.core._jit import jit
 
-__all__ = ["divisor_apportion", "partition_min_max", "warmup"]
+__all__ = ["divisor_apportion", "least_scored", "partition_min_max", "roomy_slot", "warmup"]
 
 
 @jit
@@ -80,6 +80,52 @@ def partition_min_max(demand, num_groups, starts):
     return best[num_groups, n]
 
 
+@jit
+def least_scored(load, lo, hi, ranks, wake):
+    """Routing choice over the slots ``lo:hi`` (whole engines of ``ranks`` contiguous slots).
+
+    The score of a slot is its load, plus ``wake`` when every rank of its engine is at zero load
+    (an idle engine). Returns ``(k, score, top)``: the offset from ``lo`` of the lowest score
+    (ties: the lowest slot), that score and the most loaded rank of its engine. O(hi - lo).
+    """
+    best_k = -1
+    best = np.inf
+    best_top = 0.0
+    for e0 in range(lo, hi, ranks):
+        top = load[e0]
+        for s in range(e0 + 1, e0 + ranks):
+            if load[s] > top:
+                top = load[s]
+        pen = 0.0 if top > 0.0 else wake
+        for s in range(e0, e0 + ranks):
+            v = load[s] + pen
+            if v < best:
+                best = v
+                best_k = s - lo
+                best_top = top
+    return best_k, best, best_top
+
+
+@jit
+def roomy_slot(load, end, ranks, quota):
+    """The least loaded slot among ``0:end`` that can take ``quota`` more without exceeding its
+    engine's most loaded rank (ties: the lowest slot), or -1. O(end)."""
+    best = -1
+    best_v = np.inf
+    for e0 in range(0, end, ranks):
+        top = load[e0]
+        for s in range(e0 + 1, e0 + ranks):
+            if load[s] > top:
+                top = load[s]
+        lim = top - quota
+        for s in range(e0, e0 + ranks):
+            v = load[s]
+            if v <= lim and v < best_v:
+                best_v = v
+                best = s
+    return best
+
+
 def warmup() -> None:
     """Compile every kernel of this module on tiny inputs."""
     demand = np.array([3.0, 0.0, 1.0])
@@ -88,3 +134,6 @@ def warmup() -> None:
         demand, 4, np.zeros(3, dtype=np.int64), np.full(3, 4, dtype=np.int64), 0.0, out
     )
     partition_min_max(demand, 2, np.zeros(2, dtype=np.int64))
+    load = np.array([0.0, 1.0, 0.0, 0.0])
+    least_scored(load, 0, 4, 2, 1.0)
+    roomy_slot(load, 4, 2, 0.5)

@@ -62,6 +62,7 @@ from lbkit.core.validation import (
     check_int,
     check_real,
 )
+from lbkit.prefill._kernels import least_scored, roomy_slot
 from lbkit.prefill.apportion import (
     DEFAULT_METHOD,
     METHODS,
@@ -501,71 +502,61 @@ class PrefillBalancer:
         )
 
     def _choose(self, bucket: int, quota: float) -> tuple[int, str]:
-        """Slot for a new request of ``bucket`` and ``quota`` (-1 if no engine), and the reason."""
+        """Slot for a new request of ``bucket`` and ``quota`` (-1 if no engine), and the reason.
+
+        Scores and holes come from the kernels ``least_scored`` and ``roomy_slot`` (one pass
+        over the slots each); ``sample`` draws its candidates in numpy.
+        """
         lo = self._lo[bucket]
         hi = self._hi[bucket]
         if lo == hi:
             return -1, "no_engine"
-        vals = self._scores(lo, hi)
-        tops = self._top
+        load = self._load
+        r = self._ranks
+        wake = 0.0 if self._wake is None else self._wake
         if self._sample is None or self._sample >= hi - lo:
-            k = int(vals.argmin())
+            k, score, top = least_scored(load, lo, hi, r, wake)
         else:
+            vals = self._scores(lo, hi)
             pick = np.sort(self._rng.choice(hi - lo, size=self._sample, replace=False))
             k = int(pick[np.argmin(vals[pick])])
+            score = vals[k]
+            top = load[lo + k - k % r : lo + k - k % r + r].max()
         slot = lo + k
         reason = "own_bucket" if self._server[bucket] == bucket else "shared_bucket"
-        if self._spill is not None and vals[k] > 0.0:  # a zero own score never spills
-            own = best = vals[k]
+        best = score
+        if self._spill is not None and score > 0.0:  # a zero own score never spills
             for nbr in (bucket - 1, bucket + 1):
                 if not 0 <= nbr < len(self._lo) or self._server[nbr] == self._server[bucket]:
                     continue
                 nlo, nhi = self._lo[nbr], self._hi[nbr]
                 if nlo == nhi:
                     continue
-                nvals = self._scores(nlo, nhi)  # the neighbour's idle engines pay the penalty
-                nk = int(nvals.argmin())
-                if own > self._spill * nvals[nk] and nvals[nk] < best:
-                    slot, best, reason = nlo + nk, nvals[nk], "spill"
-        if self._fill:
-            load = self._load
-            r = self._ranks
-            if reason != "spill" and tops is not None:
-                top = tops[k // r]
-            else:
-                top = load[slot - slot % r : slot - slot % r + r].max()
-            # An own choice that runs within its engine's steps is a hole already; otherwise
-            # ties go to the hole (the own choice would lengthen its engine's steps).
-            if load[slot] + quota > top:
-                hole = self._hole(quota)
-                if hole >= 0 and load[hole] <= (best if reason == "spill" else vals[k]):
-                    slot, reason = hole, "fill"
+                # the neighbour's idle engines pay the wake penalty too
+                nk, nscore, ntop = least_scored(load, nlo, nhi, r, wake)
+                if score > self._spill * nscore and nscore < best:
+                    slot, best, top, reason = nlo + nk, nscore, ntop, "spill"
+        # An own choice that runs within its engine's steps is a hole already; otherwise ties go
+        # to the hole (the own choice would lengthen its engine's steps).
+        if self._fill and load[slot] + quota > top and self._active_end:
+            hole = roomy_slot(load, self._active_end, r, quota)
+            if hole >= 0 and load[hole] <= best:
+                slot, reason = hole, "fill"
         return slot, reason
 
-    def _hole(self, quota: float) -> int:
-        """The least loaded slot of an active engine that it would take ``quota`` more without
-        exceeding the engine's most loaded rank (ties: lowest slot); -1 if none."""
-        end = self._active_end
-        if end == 0:
-            return -1
-        block = self._load[:end].reshape(-1, self._ranks)
-        vals = np.where(block <= block.max(axis=1, keepdims=True) - quota, block, np.inf)
-        k = int(vals.argmin())
-        return k if vals.flat[k] < np.inf else -1
-
     def _scores(self, lo: int, hi: int) -> np.ndarray:
-        """Routing scores of the slots ``lo:hi``: the quota loads, plus the wake penalty on the
-        ranks of idle engines (all ranks at zero load) when ``wake_penalty_s`` is set.
+        """Routing scores of the slots ``lo:hi`` in numpy (the ``sample`` path; ``least_scored``
+        is the same rule in one pass): the quota loads, plus the wake penalty on the ranks of
+        idle engines (all ranks at zero load) when ``wake_penalty_s`` is set.
 
         Slots of one engine are contiguous (``_rebuild`` lays engines out rank by rank), so the
         slice reshapes to (engines, ranks).
         """
         vals = self._load[lo:hi]
         if self._wake is None or self._wake == 0.0:
-            self._top = None
             return vals
         block = vals.reshape(-1, self._ranks)
-        self._top = top = block.max(axis=1)  # each engine's most loaded rank (for _choose)
+        top = block.max(axis=1)
         return (block + np.where(top > 0.0, 0.0, self._wake)[:, None]).ravel()
 
     def route(
@@ -600,7 +591,8 @@ class PrefillBalancer:
         TypeError
             An id that is neither int nor str.
 
-        Runtime complexity: O(ranks of the bucket's engines) (a numpy argmin over a slice).
+        Runtime complexity: O(ranks of the bucket's engines) (one kernel pass; with
+        ``fill_holes`` or ``spill_ratio`` at most three more over the active ranks).
         """
         if not (
             type(total_tokens) is int
