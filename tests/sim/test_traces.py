@@ -178,8 +178,9 @@ def test_summary_lower_edges_are_inclusive_and_edges_are_checked():
     assert t.summary(bucket_edges_tokens=(1000,)).bucket_counts == (0, 4)
     with pytest.raises(ValueError, match="bucket_edges_tokens: must be strictly increasing"):
         t.summary(bucket_edges_tokens=(10, 10))
-    with pytest.raises(ValueError, match="bucket_edges_tokens: entries must be >= 1"):
+    with pytest.raises(ValueError, match="bucket_edges_tokens: must be positive"):
         t.summary(bucket_edges_tokens=(0,))
+    assert t.summary(bucket_edges_tokens=()).bucket_counts == (4,)
 
 
 def test_summary_of_empty_and_single_request_traces():

@@ -20,8 +20,9 @@ __all__ = ["DEFAULT_EDGES", "bucket_of", "check_edges"]
 DEFAULT_EDGES: tuple[int, ...] = (16384, 65536, 262144)
 
 
-def check_edges(edges: Any, name: str = "edges") -> tuple[int, ...]:
-    """Validate bucket edges: a non-empty, strictly increasing sequence of positive integers.
+def check_edges(edges: Any, name: str = "edges", *, allow_empty: bool = False) -> tuple[int, ...]:
+    """Validate bucket edges: a strictly increasing sequence of positive integers, non-empty
+    unless ``allow_empty`` (no edges: one bucket holds every request).
 
     Returns
     -------
@@ -37,7 +38,7 @@ def check_edges(edges: Any, name: str = "edges") -> tuple[int, ...]:
     ...
     ValueError: edges: must be strictly increasing, got [1000, 1000]
     """
-    arr = as_int_array(edges, name, ndim=1, allow_empty=False)
+    arr = as_int_array(edges, name, ndim=1, allow_empty=allow_empty)
     if (arr <= 0).any():
         raise ValueError(f"{name}: must be positive, got {arr.tolist()}")
     if (np.diff(arr) <= 0).any():

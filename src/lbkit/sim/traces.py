@@ -43,7 +43,7 @@ from lbkit.core.validation import (
     check_int,
     check_real,
 )
-from lbkit.prefill.buckets import DEFAULT_EDGES
+from lbkit.prefill.buckets import DEFAULT_EDGES, check_edges
 
 __all__ = [
     "BUCKET_EDGES_TOKENS",
@@ -99,13 +99,6 @@ def bucket_labels(edges_tokens: tuple[int, ...] = BUCKET_EDGES_TOKENS) -> tuple[
         return ("all",)
     inner = [f"{a}-{b}" for a, b in itertools.pairwise(names)]
     return (f"<{names[0]}", *inner, f">={names[-1]}")
-
-
-def _check_edges(edges: Any) -> tuple[int, ...]:
-    arr = as_int_array(edges, "bucket_edges_tokens", ndim=1, min_value=1)
-    if arr.size > 1 and not (np.diff(arr) > 0).all():
-        raise ValueError(f"bucket_edges_tokens: must be strictly increasing, got {arr.tolist()}")
-    return tuple(int(e) for e in arr)
 
 
 class Percentiles(NamedTuple):
@@ -378,7 +371,7 @@ class Trace:
 
         Runtime complexity: O(n log n) (percentiles).
         """
-        edges = _check_edges(bucket_edges_tokens)
+        edges = check_edges(bucket_edges_tokens, "bucket_edges_tokens", allow_empty=True)
         n = len(self)
         duration = float(self.arrival_s[-1] - self.arrival_s[0]) if n else 0.0
         total = self.total_tokens
