@@ -21,6 +21,11 @@ def test_tables_and_json(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "Prefill" in text and "Decode" in text and "lbkit" in text and "*" in text
     report = json.loads(out.read_text())
+    # per-bucket TTFT: one p50/p99 pair per bucket holding requests, counts in the title
+    buckets = report["prefill"]["lbkit"]["per_bucket"]
+    title = next(line for line in text.splitlines() if "Prefill TTFT by prompt length" in line)
+    for label, m in buckets.items():
+        assert f"{label} {m['requests']:,}" in title and f"{label} p50" in text
     assert set(report["prefill"]) >= {"round_robin", "lbkit", "lbkit_nobuckets", "least_tokens"}
     assert set(report["decode"]) >= {"round_robin", "least_kv", "lbkit"}
 

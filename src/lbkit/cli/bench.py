@@ -349,6 +349,31 @@ def _table(title: str, rows: dict[str, dict[str, Any]], cols: list[tuple[str, st
     print("", file=out)
 
 
+def _bucket_table(pre: dict[str, dict[str, Any]]) -> None:
+    """TTFT p50 and p99 per length bucket: what a short prompt waits under each policy."""
+    labels: list[str] = []
+    for m in pre.values():
+        labels += [b for b in m.get("per_bucket", {}) if b not in labels]
+    if not labels:
+        return
+    counts = {b: next(m["per_bucket"][b]["requests"] for m in pre.values()
+                      if b in m.get("per_bucket", {})) for b in labels}  # fmt: skip
+    rows = {
+        name: {f"{b}|{q}": m.get("per_bucket", {}).get(b, {}).get(f"ttft_{q}_s")
+               for b in labels for q in ("p50", "p99")}
+        for name, m in pre.items()
+    }  # fmt: skip
+    cols = [(f"{b}|{q}", f"{b} {q}" if q == "p50" else "p99", "s", "min")
+            for b in labels for q in ("p50", "p99")]  # fmt: skip
+    _table(
+        "Prefill TTFT by prompt length (seconds; requests per bucket: "
+        + ", ".join(f"{b} {counts[b]:,}" for b in labels)
+        + ")",
+        rows,
+        cols,
+    )
+
+
 def _print_report(r: dict[str, Any], wall: float) -> None:
     w, o = r["workload"], r["options"]
     print(
@@ -376,6 +401,7 @@ def _print_report(r: dict[str, Any], wall: float) -> None:
             ],
             [("perfect (fluid)", ref)],
         )
+        _bucket_table(pre)
     dec = r["decode"]
     if dec:
         first = next(iter(dec.values()))
