@@ -75,6 +75,23 @@ def test_work_sharing_option(tmp_path):
         assert sum(loss["steps_by_busy_ranks"]) == m["steps"]
 
 
+def test_context_parallel_engines(tmp_path):
+    """Under --work-sharing split lbkit routes by engine; a lower efficiency slows every policy
+    on a workload of long prompts."""
+    out = tmp_path / "r.json"
+    reports = []
+    for eff in ("1", "0.5"):
+        args = ["bench", *FAST, "--policies", "round_robin,lbkit", "--work-sharing", "split",
+                "--cp-efficiency", eff, "--json", str(out)]  # fmt: skip
+        assert main(args) == 0
+        reports.append(json.loads(out.read_text()))
+    fast, slow = reports
+    assert fast["options"]["cp_efficiency"] == 1.0 and slow["options"]["cp_efficiency"] == 0.5
+    for name in ("round_robin", "lbkit"):
+        assert fast["prefill"][name]["finished"] == slow["prefill"][name]["finished"] == 300
+        assert fast["prefill"][name]["end_s"] <= slow["prefill"][name]["end_s"]
+
+
 def test_json_is_deterministic_apart_from_timing(tmp_path):
     paths = [tmp_path / "a.json", tmp_path / "b.json"]
     for p in paths:
@@ -112,6 +129,9 @@ def test_trace_file(tmp_path, capsys):
             "--migration-gbps: must be a finite number > 0",
         ),
         (["--max-migrations", "0"], "--max-migrations: must be >= 1"),
+        (["--cp-efficiency", "0"], "--cp-efficiency: must be in (0, 1]"),
+        (["--cp-efficiency", "nan"], "--cp-efficiency: must be in (0, 1]"),
+        (["--cp-efficiency", "0.8"], "--cp-efficiency: needs --work-sharing split"),
         (["--kv-bytes-per-token", "0"], "--kv-bytes-per-token: must be >= 1"),
         (["--utilization", "-0.5"], "--utilization"),
         (["--prefill-engines", "0"], "--prefill-engines: must be >= 1"),

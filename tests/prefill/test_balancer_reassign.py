@@ -84,3 +84,47 @@ def test_fill_holes_uses_another_buckets_stepping_engine():
 def test_fill_holes_must_be_a_bool():
     with pytest.raises(TypeError, match="fill_holes: must be a bool"):
         PrefillBalancer(2, 2, cost=COST, fill_holes=1)
+
+
+def test_context_parallel_scores_engines():
+    unit = PRESETS["unit"].prefill  # quota(n) = n + 0.0005 n^2 seconds
+    kw = {"edges": (1000,), "initial_engines": (2, 1)}
+    cp = PrefillBalancer(3, 2, cost=unit, context_parallel=True, **kw)
+    ranks = PrefillBalancer(3, 2, cost=unit, **kw)
+    for b in (cp, ranks):
+        assert b.route("a", 400, 0, now_s=0.0)[:2] == (0, 0)  # 480 s on engine 0, rank 0
+    # Rank by rank, engine 0's free rank is the least loaded; engine by engine, engine 1
+    # (mean 0) beats engine 0 (mean 240 s): the long prompt gets an engine to share.
+    assert ranks.route("b", 300, 0, now_s=0.1)[:2] == (0, 1)
+    assert cp.route("b", 300, 0, now_s=0.1)[:2] == (1, 0)
+    # Engine 1's mean (172.5 s) is still below engine 0's (240 s): engine 1's free rank.
+    assert cp.route("c", 10, 0, now_s=0.2)[:2] == (1, 1)
+    assert cp.state_dict()["config"]["context_parallel"] is True
+    again = PrefillBalancer.from_state_dict(cp.state_dict())
+    assert again.route("d", 10, 0, now_s=0.3) == cp.route("d", 10, 0, now_s=0.3)
+    cp._check()
+
+
+def test_context_parallel_wake_penalty_and_spill():
+    unit = PRESETS["unit"].prefill
+    kw = {"edges": (1000,), "initial_engines": (2, 1), "context_parallel": True}
+    bal = PrefillBalancer(3, 2, cost=unit, wake_penalty_s=1000.0, **kw)
+    bal.route("a", 400, 0, now_s=0.0)  # engine 0: mean 240 s; engine 1 idle pays 1,000
+    assert bal.route("b", 300, 0, now_s=0.1)[:2] == (0, 1)
+    spill = PrefillBalancer(3, 2, cost=unit, spill_ratio=2.0, **kw)
+    spill.route("a", 900, 0, now_s=0.0)  # 1,305 s: engine 0 mean 652.5
+    spill.route("b", 900, 0, now_s=0.0)  # engine 1 of bucket 0, same
+    # the next short prompt's engines average 652.5 s, more than twice the long bucket's 0
+    assert spill.route("c", 10, 0, now_s=0.1) == (2, 0, 0, "spill")
+
+
+@pytest.mark.parametrize(
+    ("opts", "match"),
+    [({"fill_holes": True}, "context_parallel: cannot be combined with fill_holes"),
+     ({"sample": 2}, "context_parallel: cannot be combined with sample")],
+)  # fmt: skip
+def test_context_parallel_refuses_rank_level_rules(opts, match):
+    with pytest.raises(ValueError, match=match):
+        PrefillBalancer(2, 2, cost=COST, context_parallel=True, **opts)
+    with pytest.raises(TypeError, match="context_parallel: must be a bool"):
+        PrefillBalancer(2, 2, cost=COST, context_parallel="yes")

@@ -89,6 +89,15 @@ class BalancerMachine(RuleBasedStateMachine):
         f = d.engine * RANKS + d.rank
         want = min(cand, key=score)
         reason = "own_bucket" if server == d.bucket else "shared_bucket"
+        if self.OPTIONS.get("context_parallel"):
+            # The engine with the least mean load (plus the wake penalty when idle; lowest
+            # engine on ties), then its least loaded rank (lowest on ties).
+            def engine_score(e):
+                loads = before[e * RANKS : (e + 1) * RANKS]
+                return (sum(loads) / RANKS + (0.0 if max(loads) > 0.0 else wake), e)
+
+            e = min({x // RANKS for x in cand}, key=engine_score)
+            want = min(range(e * RANKS, (e + 1) * RANKS), key=lambda x: (before[x], x))
         if self.OPTIONS.get("fill_holes"):
             # Hole filling: when the own choice would lengthen its engine's steps, the least
             # loaded rank of any active engine that takes the quota within its most loaded
@@ -321,7 +330,17 @@ class FillMachine(BalancerMachine):
     }  # fmt: skip
 
 
+class ContextParallelMachine(BalancerMachine):
+    """The same rules with engines scored by their mean load (context-parallel engines)."""
+
+    OPTIONS: ClassVar[dict[str, Any]] = {
+        "initial_engines": [2, 1, 1], "context_parallel": True, "wake_penalty_s": 20.0,
+    }  # fmt: skip
+
+
 BalancerMachine.TestCase.settings = settings(stateful_step_count=40, deadline=None)
+ContextParallelMachine.TestCase.settings = settings(stateful_step_count=40, deadline=None)
+TestContextParallelMachine = ContextParallelMachine.TestCase
 TestBalancerMachine = BalancerMachine.TestCase
 OptionsMachine.TestCase.settings = settings(stateful_step_count=40, deadline=None)
 TestOptionsMachine = OptionsMachine.TestCase

@@ -19,6 +19,13 @@ def _least_scored_reference(load, lo, hi, ranks, wake):
     return k, float(vals[k]), float(top[k // ranks])
 
 
+def _least_engine_reference(load, lo, hi, ranks, wake):
+    block = load[lo:hi].reshape(-1, ranks)
+    score = block.sum(axis=1) / ranks + np.where(block.max(axis=1) > 0.0, 0.0, wake)
+    e = int(score.argmin())
+    return e * ranks + int(block[e].argmin()), float(score[e])
+
+
 def _roomy_slot_reference(load, end, ranks, quota):
     block = load[:end].reshape(-1, ranks)
     vals = np.where(block <= block.max(axis=1, keepdims=True) - quota, block, np.inf)
@@ -48,6 +55,15 @@ def test_least_scored_matches_numpy(case, wake):
 
 
 @settings(max_examples=300, deadline=None)
+@given(_loads(), st.sampled_from([0.0, 0.25, 1.0, 10.0]))
+def test_least_engine_matches_numpy(case, wake):
+    load, ranks, lo, hi = case
+    k, score = K.least_engine(load, lo, hi, ranks, wake)
+    want_k, want_score = _least_engine_reference(load, lo, hi, ranks, wake)
+    assert int(k) == want_k and float(score) == pytest.approx(want_score, rel=1e-12, abs=1e-12)
+
+
+@settings(max_examples=300, deadline=None)
 @given(_loads(), st.sampled_from([0.0, 0.5, 1.0, 2.5, 100.0]))
 def test_roomy_slot_matches_numpy(case, quota):
     load, ranks, _, hi = case
@@ -72,3 +88,4 @@ def test_jit_parity():
                 load, 4, 12, 4, wake
             )
         assert K.roomy_slot(load, 12, 4, 1.0) == K.roomy_slot.py_func(load, 12, 4, 1.0)
+        assert K.least_engine(load, 4, 12, 4, 2.0) == K.least_engine.py_func(load, 4, 12, 4, 2.0)

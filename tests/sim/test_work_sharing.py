@@ -273,9 +273,25 @@ def test_split_runs_a_lone_prompt_on_every_rank():
     assert sp.finish_s[0] == pytest.approx(1.0 + 345.0 / 4)
     assert sp.tokens_computed == 300 and sp.moves == 0
     assert prefill_metrics(sp)["balance_efficiency"] == pytest.approx(1.0)
+    # at a parallel efficiency of 0.8 the group is 3.2 times as fast as one rank (one step
+    # within a 200 s budget)
+    kw["budget_s"] = 200.0
+    sp8 = simulate_prefill(t, RankZero(), work_sharing="split", cp_efficiency=0.8, **kw)
+    assert sp8.finish_s[0] == pytest.approx(1.0 + 345.0 / 3.2) and sp8.num_steps == 1
+    # at 1 / 4 the group would be no faster than the prompt's own rank: it does not form
+    lv = simulate_prefill(t, RankZero(), work_sharing="level", **kw)
+    slow = simulate_prefill(t, RankZero(), work_sharing="split", cp_efficiency=0.25, **kw)
+    assert slow.finish_s[0] == lv.finish_s[0] and slow.busy_steps[1] == slow.num_steps
 
 
-def _model_split(sched, last, time, rem, prefix, cost, budget):
+@pytest.mark.parametrize("bad", [0.0, -0.5, 1.5, float("nan")])
+def test_cp_efficiency_is_checked(bad):
+    t = Trace(arrival_s=[0.0], total_tokens=[300], output_tokens=[1])
+    with pytest.raises(ValueError, match="cp_efficiency"):
+        simulate_prefill(t, "round_robin", cost=UNIT, work_sharing="split", cp_efficiency=bad)
+
+
+def _model_split(sched, last, time, rem, prefix, cost, budget, eff=1.0):
     """Plain-Python model of ``_split``: (new last chunk, new time) per rank."""
     a, b, k, q, g = cost.a, cost.b, cost.k, cost.q, cost.gamma
     ranks = len(sched)
@@ -290,21 +306,22 @@ def _model_split(sched, last, time, rem, prefix, cost, budget):
         groups[cand[j % len(cand)]].append(h)
     for r, members in groups.items():
         n = len(members)
-        if n == 1:
+        if n == 1 or n * eff <= 1.0:
             continue
         p = prefix[r]
         fits = [c for c in range(last[r], rem[r] + 1)
-                if a + (c * (b + k * p + q * c) + g * p) / n <= budget]  # fmt: skip
+                if a + (c * (b + k * p + q * c) + g * p) / (n * eff) <= budget]  # fmt: skip
         c = max(fits, default=last[r])
-        t = a + (c * (b + k * p + q * c) + g * p if c else 0.0) / n
+        t = a + (c * (b + k * p + q * c) + g * p if c else 0.0) / (n * eff)
         last[r] = c
         for m in members:
             time[m] = t
     return last, time
 
 
-@given(data=st.data(), ranks=st.integers(1, 4), budget=st.floats(20.0, 800.0))
-def test_split_kernel_matches_the_model(data, ranks, budget):
+@given(data=st.data(), ranks=st.integers(1, 4), budget=st.floats(20.0, 800.0),
+       eff=st.sampled_from([1.0, 0.8, 0.5, 0.3]))  # fmt: skip
+def test_split_kernel_matches_the_model(data, ranks, budget, eff):
     # Each rank after the dealing: idle, one chunk of its started prompt, or several requests.
     sched = data.draw(st.lists(st.integers(0, 2), min_size=ranks, max_size=ranks))
     rem = data.draw(st.lists(st.integers(1, 900), min_size=ranks, max_size=ranks))
@@ -319,8 +336,9 @@ def test_split_kernel_matches_the_model(data, ranks, budget):
         KI[K.KI_HEAD, f] = f
         KI[K.KI_SCHED, f], KI[K.KI_LAST, f] = sched[f], last[f]
         KF[K.KF_TIME, f] = time[f]
-    P = np.array([UNIT.a, UNIT.b, UNIT.k, UNIT.q, UNIT.gamma, budget, 1, 1, ranks, 0.0, 1.0, 3.0])
+    P = np.array([UNIT.a, UNIT.b, UNIT.k, UNIT.q, UNIT.gamma, budget, 1, 1, ranks, 0.0, 1.0, 3.0,
+                  eff])  # fmt: skip
     K._split(0, RI, KI, KF, P)
-    want_last, want_time = _model_split(sched, last, time, rem, prefix, UNIT, budget)
+    want_last, want_time = _model_split(sched, last, time, rem, prefix, UNIT, budget, eff)
     assert KI[K.KI_LAST].tolist() == want_last
     np.testing.assert_allclose(KF[K.KF_TIME], want_time, rtol=1e-12)

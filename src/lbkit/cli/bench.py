@@ -114,6 +114,15 @@ def add_parser(sub: Any) -> None:
         "communication cost)",
     )
     p.add_argument(
+        "--cp-efficiency",
+        type=float,
+        default=1.0,
+        metavar="E",
+        help="with --work-sharing split: parallel efficiency of context parallelism, in (0, 1]: "
+        "n ranks run a prompt chunk n x E times as fast as one (default 1: communication is "
+        "free); lbkit then routes by engine (the least mean quota load of the bucket's engines)",
+    )
+    p.add_argument(
         "--decode-batch",
         type=float,
         metavar="B",
@@ -208,6 +217,10 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--seed: must be >= 0, got {args.seed}")
     if not (args.budget > 0 and math.isfinite(args.budget)):
         raise ValueError(f"--budget: must be a finite number > 0, got {args.budget}")
+    if not (0 < args.cp_efficiency <= 1):
+        raise ValueError(f"--cp-efficiency: must be in (0, 1], got {args.cp_efficiency}")
+    if args.cp_efficiency != 1.0 and args.work_sharing != "split":
+        raise ValueError("--cp-efficiency: needs --work-sharing split")
     if args.decode_batch is not None and not (
         args.decode_batch > 0 and math.isfinite(args.decode_batch)
     ):
@@ -280,6 +293,7 @@ def run(args: argparse.Namespace) -> int:
             cost=args.cost,
             budget_s=args.budget,
             work_sharing=args.work_sharing,
+            cp_efficiency=args.cp_efficiency,
             eplb=not args.no_eplb,
             progress=progress,
         )

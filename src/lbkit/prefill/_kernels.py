@@ -10,7 +10,14 @@ import numpy as np
 
 from lbkit.core._jit import jit
 
-__all__ = ["divisor_apportion", "least_scored", "partition_min_max", "roomy_slot", "warmup"]
+__all__ = [
+    "divisor_apportion",
+    "least_engine",
+    "least_scored",
+    "partition_min_max",
+    "roomy_slot",
+    "warmup",
+]
 
 
 @jit
@@ -107,6 +114,34 @@ def least_scored(load, lo, hi, ranks, wake):
 
 
 @jit
+def least_engine(load, lo, hi, ranks, wake):
+    """Context-parallel choice over the slots ``lo:hi`` (whole engines of ``ranks`` slots).
+
+    An engine's score is its mean load, plus ``wake`` when all its ranks are at zero load (an
+    idle engine). Returns ``(k, score)``: the offset from ``lo`` of the least loaded slot (ties:
+    the lowest) of the engine with the lowest score (ties: the lowest engine), and that score.
+    O(hi - lo).
+    """
+    best_k = -1
+    best = np.inf
+    for e0 in range(lo, hi, ranks):
+        total = 0.0
+        top = load[e0]
+        low = e0
+        for s in range(e0, e0 + ranks):
+            total += load[s]
+            if load[s] < load[low]:
+                low = s
+            if load[s] > top:
+                top = load[s]
+        mean = total / ranks + (0.0 if top > 0.0 else wake)
+        if mean < best:
+            best = mean
+            best_k = low - lo
+    return best_k, best
+
+
+@jit
 def roomy_slot(load, end, ranks, quota):
     """The least loaded slot among ``0:end`` that can take ``quota`` more without exceeding its
     engine's most loaded rank (ties: the lowest slot), or -1. O(end)."""
@@ -136,4 +171,5 @@ def warmup() -> None:
     partition_min_max(demand, 2, np.zeros(2, dtype=np.int64))
     load = np.array([0.0, 1.0, 0.0, 0.0])
     least_scored(load, 0, 4, 2, 1.0)
+    least_engine(load, 0, 4, 2, 1.0)
     roomy_slot(load, 4, 2, 0.5)

@@ -62,7 +62,7 @@ from lbkit.core.validation import (
     check_int,
     check_real,
 )
-from lbkit.prefill._kernels import least_scored, roomy_slot
+from lbkit.prefill._kernels import least_engine, least_scored, roomy_slot
 from lbkit.prefill.apportion import (
     DEFAULT_METHOD,
     METHODS,
@@ -290,6 +290,14 @@ class PrefillBalancer:
         its engine's steps and that rank's load is at most the own choice's score; among such
         ranks the least loaded wins (ties: buckets in order, then the lowest engine and rank).
         Reason ``"fill"``.
+    context_parallel : bool, default False
+        For engines that run context parallelism (an engine's idle ranks help with a prompt
+        chunk of a busy rank, so an engine finishes its queued work in about its *mean* rank
+        load): the rank choice scores engines, not ranks. A request goes to the engine of its
+        bucket with the least mean quota load (ties: the lowest), to that engine's least loaded
+        rank (its queue owner); ``wake_penalty_s`` is added to the score of an idle engine and
+        ``spill_ratio`` compares the same engine scores. Not combined with ``fill_holes`` or
+        ``sample`` (rank-level rules).
     rng : numpy Generator, int seed or None
         Randomness for ``sample``.
     now_s : float, default 0
@@ -334,6 +342,7 @@ class PrefillBalancer:
         max_drain_s: float | None = None,
         wake_penalty_s: float | None = None,
         fill_holes: bool = False,
+        context_parallel: bool = False,
         rng: np.random.Generator | int | None = None,
         now_s: float = 0.0,
     ) -> None:
@@ -384,6 +393,17 @@ class PrefillBalancer:
         if not isinstance(fill_holes, (bool, np.bool_)):
             raise TypeError(f"fill_holes: must be a bool, got {type(fill_holes).__name__}")
         self._fill = bool(fill_holes)
+        if not isinstance(context_parallel, (bool, np.bool_)):
+            raise TypeError(
+                f"context_parallel: must be a bool, got {type(context_parallel).__name__}"
+            )
+        self._cp = bool(context_parallel)
+        if self._cp:
+            for opt, value in (("fill_holes", self._fill or None), ("sample", self._sample)):
+                if value is not None:
+                    raise ValueError(
+                        f"context_parallel: cannot be combined with {opt} (a rank-level rule)"
+                    )
         self._rng = as_rng(rng)
         now = _time(now_s)
         if initial_engines is None:
@@ -513,6 +533,8 @@ class PrefillBalancer:
             return -1, "no_engine"
         load = self._load
         r = self._ranks
+        if self._cp:
+            return self._choose_engine(bucket, lo, hi)
         wake = 0.0 if self._wake is None else self._wake
         if self._sample is None or self._sample >= hi - lo:
             k, score, top = least_scored(load, lo, hi, r, wake)
@@ -542,6 +564,27 @@ class PrefillBalancer:
             hole = roomy_slot(load, self._active_end, r, quota)
             if hole >= 0 and load[hole] <= best:
                 slot, reason = hole, "fill"
+        return slot, reason
+
+    def _choose_engine(self, bucket: int, lo: int, hi: int) -> tuple[int, str]:
+        """``_choose`` with ``context_parallel``: engines scored by their mean quota load."""
+        load = self._load
+        r = self._ranks
+        wake = 0.0 if self._wake is None else self._wake
+        k, score = least_engine(load, lo, hi, r, wake)
+        slot = lo + k
+        reason = "own_bucket" if self._server[bucket] == bucket else "shared_bucket"
+        if self._spill is not None and score > 0.0:
+            best = score
+            for nbr in (bucket - 1, bucket + 1):
+                if not 0 <= nbr < len(self._lo) or self._server[nbr] == self._server[bucket]:
+                    continue
+                nlo, nhi = self._lo[nbr], self._hi[nbr]
+                if nlo == nhi:
+                    continue
+                nk, nscore = least_engine(load, nlo, nhi, r, wake)
+                if score > self._spill * nscore and nscore < best:
+                    slot, best, reason = nlo + nk, nscore, "spill"
         return slot, reason
 
     def _scores(self, lo: int, hi: int) -> np.ndarray:
@@ -1209,6 +1252,7 @@ class PrefillBalancer:
                 "max_drain_s": self._max_drain,
                 "wake_penalty_s": self._wake,
                 "fill_holes": self._fill,
+                "context_parallel": self._cp,
             },
             "state": {
                 "engine_bucket": self._home.tolist(),

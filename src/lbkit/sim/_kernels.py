@@ -68,8 +68,8 @@ N_EF = 2
 EI_NREQ, EI_STEPS = 0, 1
 N_EI = 2
 P_A, P_B, P_K, P_Q, P_GAMMA, P_BUDGET, P_MIN_CHUNK, P_ALIGN, P_RANKS, P_REPORT = range(10)
-P_BIN_S, P_SHARE = 10, 11
-N_P = 12
+P_BIN_S, P_SHARE, P_CP_EFF = 10, 11, 12
+N_P = 13
 ACC_MEAN, ACC_MAX, ACC_STEPS, ACC_TOKENS, ACC_OVERRUNS, ACC_EVENTS_TOTAL = range(6)
 ACC_MOVES, ACC_FEW_MEAN, ACC_FEW_MAX, ACC_FEW_STEPS = 6, 7, 8, 9
 N_ACC = 10
@@ -372,9 +372,10 @@ def _split(e, RI, KI, KF, P):
     """Context parallelism after :func:`_share` (``P[P_SHARE] == 3``): ranks left idle help the
     ranks whose step is one partial prompt chunk (longest first, ties: lowest rank; idle ranks
     in rank order, dealt round robin). A group of ``n`` ranks runs the largest chunk whose work
-    split evenly ``n`` ways fits the budget; each member's time is ``a + work / n``. The chunk
-    stays the prompt's own rank's (its tokens are applied there). An optimistic model: the
-    communication of context-parallel attention is not charged.
+    at a speed-up of ``n * P_CP_EFF`` fits the budget; each member's time is
+    ``a + work / (n * P_CP_EFF)`` (a group whose speed-up would not exceed 1 does not form).
+    The chunk stays the prompt's own rank's (its tokens are applied there). ``P_CP_EFF = 1``
+    is the optimistic model: the communication of context-parallel attention is free.
     """
     ranks = np.int64(P[P_RANKS])
     f0 = e * ranks
@@ -409,7 +410,8 @@ def _split(e, RI, KI, KF, P):
     for c in range(nc):
         g = cand[c]
         n = size[g]
-        if n == 1:
+        speedup = n * P[P_CP_EFF]
+        if n == 1 or speedup <= 1.0:
             continue
         f = f0 + g
         i = KI[KI_HEAD, f]
@@ -419,11 +421,11 @@ def _split(e, RI, KI, KF, P):
         hi = rem
         while lo < hi:  # the largest chunk whose work split n ways fits the budget
             mid = (lo + hi + 1) // 2
-            if P[P_A] + _work(P, mid, p) / n <= budget:
+            if P[P_A] + _work(P, mid, p) / speedup <= budget:
                 lo = mid
             else:
                 hi = mid - 1
-        t = P[P_A] + _work(P, lo, p) / n
+        t = P[P_A] + _work(P, lo, p) / speedup
         KI[KI_LAST, f] = lo
         KF[KF_TIME, f] = t
         for h in range(ranks):

@@ -34,7 +34,11 @@ from lbkit.sim.engine import (
     simulate_prefill,
 )
 from lbkit.sim.metrics import decode_metrics, prefill_metrics
-from lbkit.sim.policies import DEFAULT_PREFILL_POLICY, PREFILL_POLICIES
+from lbkit.sim.policies import (
+    DEFAULT_PREFILL_POLICY,
+    PREFILL_POLICIES,
+    context_parallel_policy,
+)
 from lbkit.sim.policies_decode import DECODE_POLICIES, DEFAULT_DECODE_POLICY
 from lbkit.sim.traces import Trace, _detect_format, load_trace
 
@@ -133,6 +137,7 @@ def run_bench(
     cost: str = "h800_dsv3",
     budget_s: float = 1.0,
     work_sharing: str = "off",
+    cp_efficiency: float = 1.0,
     eplb: bool = False,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> BenchResult:
@@ -158,7 +163,11 @@ def run_bench(
         Prefill step budget ``tau``.
     work_sharing : {"off", "budget", "level", "split"}, default "off"
         Engine-side sharing of un-started requests among an engine's ranks, for every prefill
-        policy (see :func:`~lbkit.sim.engine.simulate_prefill`).
+        policy (see :func:`~lbkit.sim.engine.simulate_prefill`). With ``"split"`` (context
+        parallelism) the ``lbkit`` policies score engines, not ranks
+        (:func:`~lbkit.sim.policies.context_parallel_policy`).
+    cp_efficiency : float in (0, 1], default 1.0
+        Parallel efficiency of context-parallel groups under ``"split"``.
     eplb : bool, default False
         Also plan the EPLB example with ``greedy`` and the default method.
     progress : callable(label, done, total), optional
@@ -193,6 +202,8 @@ def run_bench(
     preset = PRESETS[cost]
     budget = check_real(budget_s, "budget_s", min_value=0.0, strict_min=True)
     sharing = check_choice(work_sharing, "work_sharing", SHARING)
+    cp_eff = check_real(cp_efficiency, "cp_efficiency", min_value=0.0, strict_min=True,
+                        max_value=1.0)  # fmt: skip
     if len(trace) < 2:
         raise ValueError(f"trace: needs at least 2 requests, got {len(trace)}")
     scaled, factor = scale_to_utilization(trace, u, num_ranks=pe * rpe, cost=preset.prefill)
@@ -215,6 +226,7 @@ def run_bench(
             "cost": cost,
             "budget_s": budget,
             "work_sharing": sharing,
+            "cp_efficiency": cp_eff,
             "bucket_edges_tokens": list(DEFAULT_EDGES),
         },
         "prefill": {},
@@ -232,15 +244,19 @@ def run_bench(
             if progress is None
             else (lambda d, t, name=name: progress(f"prefill {name}", d, t))
         )
+        policy: Any = name
+        if sharing == "split" and name in ("lbkit", "lbkit_nobuckets"):
+            policy = context_parallel_policy(name, pe, rpe, cost=preset.prefill, rng=seed)
         start = time.perf_counter()
         run = simulate_prefill(
             scaled,
-            name,
+            policy,
             num_engines=pe,
             ranks_per_engine=rpe,
             cost=preset.prefill,
             budget_s=budget,
             work_sharing=sharing,
+            cp_efficiency=cp_eff,
             rng=seed,
             on_progress=cb,
         )

@@ -404,6 +404,7 @@ def simulate_prefill(
     align: int = 1,
     report_quantum: float = 0.02,
     work_sharing: str = "off",
+    cp_efficiency: float = 1.0,
     horizon_s: float | None = None,
     rng: np.random.Generator | int | None = None,
     on_progress: Callable[[int, int], None] | None = None,
@@ -445,9 +446,13 @@ def simulate_prefill(
         join soon). ``"split"``: ``"level"`` plus context parallelism, an optimistic model:
         ranks left idle help the ranks whose step is one partial prompt chunk, and a group of
         ``n`` ranks runs the largest chunk whose work split ``n`` ways fits the budget (the
-        communication of context-parallel attention is not charged). A request that changes
-        rank is reported to the policy as an ``EV_MOVE`` event (``tokens`` = the new flat
-        rank) before the step's progress.
+        communication of context-parallel attention is not charged unless ``cp_efficiency``
+        says so). A request that changes rank is reported to the policy as an ``EV_MOVE``
+        event (``tokens`` = the new flat rank) before the step's progress.
+    cp_efficiency : float in (0, 1], default 1.0
+        Parallel efficiency of a ``"split"`` group: ``n`` ranks run a chunk ``n *
+        cp_efficiency`` times as fast as one (a group that would not beat one rank does not
+        form); 1 is free communication, 0.8 charges a fifth of the group's time to it.
     horizon_s : float, optional
         Stop at this time (requests not finished by then are *in flight*). Default: run until
         every routed request is prefilled.
@@ -482,6 +487,8 @@ def simulate_prefill(
         report_quantum,
         work_sharing,
     )
+    cp_eff = check_real(cp_efficiency, "cp_efficiency", min_value=0.0, strict_min=True,
+                        max_value=1.0)  # fmt: skip
     horizon = _horizon(horizon_s)
     gen = as_rng(rng)
     name, pol = _policy_of(policy, _prefill_table(), "prefill", e, r, cost=cost, rng=gen)
@@ -516,7 +523,7 @@ def simulate_prefill(
     bin_s = max(2.0 * float(arrival[-1]), 1e-9) / K_BINS if n else 1.0
     P = np.array(
         [cost.a, cost.b, cost.k, cost.q, cost.gamma, budget, min_chunk, align, r, report, bin_s,
-         float(share)],
+         float(share), cp_eff],
         dtype=np.float64,
     )  # fmt: skip
     ACC = np.zeros(K.N_ACC)

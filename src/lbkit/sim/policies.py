@@ -41,6 +41,11 @@ free ranks of engines already stepping first), spill-over to a neighbouring buck
 rank is three times less loaded, and hole filling (a request may take a rank of another bucket's
 engine where it runs within the steps that engine takes anyway).
 
+Under ``simulate_prefill(work_sharing="split")`` (context-parallel engines) ``lbkit bench``
+runs both lbkit policies with :data:`LBKIT_CP_OPTIONS` (:func:`context_parallel_policy`): a
+request goes to the engine of its bucket with the least mean quota load, since an engine's idle
+ranks share a long prompt's chunks.
+
 Baselines treat the pool as one flat list of ranks; they know nothing of engines or lengths.
 """
 
@@ -63,6 +68,7 @@ __all__ = [
     "EV_FINISH",
     "EV_MOVE",
     "EV_PROGRESS",
+    "LBKIT_CP_OPTIONS",
     "LBKIT_OPTIONS",
     "PREFILL_POLICIES",
     "LbkitPrefill",
@@ -71,6 +77,7 @@ __all__ = [
     "PowerOfTwo",
     "RandomRank",
     "RoundRobin",
+    "context_parallel_policy",
 ]
 
 
@@ -82,6 +89,19 @@ LBKIT_OPTIONS: Mapping[str, Any] = MappingProxyType(
         "wake_penalty_s": 1.0,
         "spill_ratio": 3.0,
         "fill_holes": True,
+    }
+)
+
+#: Options of both ``lbkit`` policies for engines with context parallelism
+#: (``simulate_prefill(work_sharing="split")``): engines scored by their mean quota load
+#: (``context_parallel``), with the cold start, drain limit and spill-over of
+#: :data:`LBKIT_OPTIONS` (``lbkit_nobuckets``: ``context_parallel`` alone).
+LBKIT_CP_OPTIONS: Mapping[str, Any] = MappingProxyType(
+    {
+        "cold_start_s": 5.0,
+        "max_drain_s": 30.0,
+        "spill_ratio": 3.0,
+        "context_parallel": True,
     }
 )
 
@@ -265,6 +285,26 @@ def _lbkit_nobuckets(
 ):
     opts = {k: v for k, v in LBKIT_OPTIONS.items() if k in ("wake_penalty_s", "fill_holes")}
     return LbkitPrefill(num_engines, ranks_per_engine, cost=cost, rng=rng, edges=None, **opts)
+
+
+def context_parallel_policy(
+    name: str, num_engines: int, ranks_per_engine: int, *, cost: QuadraticCost, rng: Any = None
+) -> LbkitPrefill:
+    """The ``lbkit`` or ``lbkit_nobuckets`` policy configured for context-parallel engines
+    (:data:`LBKIT_CP_OPTIONS`), as ``lbkit bench --work-sharing split`` runs them.
+
+    Examples
+    --------
+    >>> from lbkit.core import PRESETS
+    >>> context_parallel_policy("lbkit", 4, 2, cost=PRESETS["unit"].prefill).name
+    'lbkit'
+    """
+    if name == "lbkit":
+        return LbkitPrefill(num_engines, ranks_per_engine, cost=cost, rng=rng, **LBKIT_CP_OPTIONS)
+    if name == "lbkit_nobuckets":
+        return LbkitPrefill(num_engines, ranks_per_engine, cost=cost, rng=rng, edges=None,
+                            context_parallel=True)  # fmt: skip
+    raise ValueError(f"name: must be 'lbkit' or 'lbkit_nobuckets', got {name!r}")
 
 
 #: Prefill policies by name: ``factory(num_engines, ranks_per_engine, *, cost, rng)`` returns a
