@@ -24,7 +24,7 @@ from lbkit.sim.bench import (
 )
 from lbkit.sim.engine import scale_to_utilization, simulate_decode, simulate_prefill
 from lbkit.sim.metrics import decode_metrics, prefill_metrics
-from lbkit.sim.policies import LBKIT_OPTIONS, LbkitPrefill
+from lbkit.sim.policies import LBKIT_CP_OPTIONS, LBKIT_OPTIONS, LbkitPrefill
 from lbkit.sim.policies_decode import LbkitDecode
 from lbkit.sim.workload import default_workload
 
@@ -37,8 +37,16 @@ SCENARIOS = [
 DECODE_BATCHES = (32, 64)
 #: Wake penalties of the trade-off table (seconds; LBKIT_OPTIONS uses 1.0).
 WAKE_PENALTIES = (0.0, 1.0, 3.0, 10.0, 30.0)
-#: Engine models of the work-sharing tables (``simulate_prefill(work_sharing=...)``).
-ENGINES = ("off", "budget", "level", "split")
+#: Engine models of the work-sharing tables: (label, ``simulate_prefill(work_sharing=...)``,
+#: ``cp_efficiency``); under "split" (context parallelism) lbkit routes by engine
+#: (``LBKIT_CP_OPTIONS``).
+ENGINES = (
+    ("off", "off", 1.0),
+    ("budget", "budget", 1.0),
+    ("level", "level", 1.0),
+    ("split", "split", 1.0),
+    ("split 0.8", "split", 0.8),
+)
 
 
 def _ratio(x, y):
@@ -49,8 +57,9 @@ def _sharing(runs):
     """lbkit and the baselines under each engine model; where lbkit's balance is lost."""
     rows, loss_rows, prefill_rows = [], [], []
     for name, u, trace in runs:
-        for eng in ENGINES:
-            rep = run_bench(trace, utilization=u, work_sharing=eng, decode_policies=[]).report
+        for eng, sharing, eff in ENGINES:
+            rep = run_bench(trace, utilization=u, work_sharing=sharing, cp_efficiency=eff,
+                            decode_policies=[]).report  # fmt: skip
             p = rep["prefill"]
             rates = rep["timing"]["requests_per_s"]
             base = [k for k in p if k not in ("lbkit", "lbkit_nobuckets")]
@@ -148,8 +157,8 @@ def _wake_sweep(name, trace, u):
     rows = []
     for eng in ("off", "level", "split"):
         for wake in WAKE_PENALTIES:
-            opts = {**LBKIT_OPTIONS, "wake_penalty_s": wake}
-            pol = LbkitPrefill(16, 4, cost=cost, rng=0, **opts)
+            base = LBKIT_CP_OPTIONS if eng == "split" else LBKIT_OPTIONS
+            pol = LbkitPrefill(16, 4, cost=cost, rng=0, **{**base, "wake_penalty_s": wake})
             m = prefill_metrics(simulate_prefill(scaled, pol, num_engines=16, ranks_per_engine=4,
                                                  cost=cost, rng=0, work_sharing=eng))  # fmt: skip
             rows.append([name, u, eng, wake, round(m["balance_efficiency"], 4),
@@ -236,8 +245,10 @@ def main() -> None:
                  "have not started, earliest first, to its least-loaded ranks up to the step "
                  "budget; level = the same with the step budget lowered to the largest step the "
                  "engine's requests fill on every rank; split = level plus context parallelism "
-                 "(idle ranks share a prompt's chunk; optimistic: no communication cost). "
-                 "Every policy runs under the same engine "
+                 "(idle ranks share a prompt's chunk; no communication cost) and lbkit routes "
+                 "by engine (LBKIT_CP_OPTIONS: the bucket's engine with the least mean quota "
+                 "load); split 0.8 = the same with a parallel efficiency of 0.8 (n ranks run a "
+                 "chunk 0.8 n times as fast as one). Every policy runs under the same engine "
                  "model; p99 ratios are against round robin and the best baseline (by p99) "
                  "under that model. Moves: requests the engines moved between ranks (reported "
                  "to lbkit's ledger).",
@@ -301,9 +312,10 @@ def main() -> None:
                      "batch/rank", "count floor", "TPOT p99", "req/s"],
          "rows": do_rows},
         {"title": "Engine-aware rank choice: prefill balance against TTFT (lbkit)",
-         "note": "wake_penalty_s: extra seconds a rank of an idle engine counts; the other "
-                 "options as in LBKIT_OPTIONS; engine: work sharing off, level or split. Balance "
-                 "rises only as requests queue on engines that already step.",
+         "note": "wake_penalty_s: extra seconds a rank of an idle engine counts (under split, "
+                 "which lbkit scores by engine: an idle engine); the other options as in "
+                 "LBKIT_OPTIONS (split: LBKIT_CP_OPTIONS); engine: work sharing off, level or "
+                 "split. Balance rises only as requests queue on engines that already step.",
          "columns": ["trace", "U", "engine", "wake penalty (s)", "balance", "TTFT p50",
                      "TTFT p99"],
          "rows": sweep},
