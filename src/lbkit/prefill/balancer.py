@@ -531,10 +531,10 @@ class PrefillBalancer:
         hi = self._hi[bucket]
         if lo == hi:
             return -1, "no_engine"
-        load = self._load
-        r = self._ranks
         if self._cp:
             return self._choose_engine(bucket, lo, hi)
+        load = self._load
+        r = self._ranks
         wake = 0.0 if self._wake is None else self._wake
         if self._sample is None or self._sample >= hi - lo:
             k, score, top = least_scored(load, lo, hi, r, wake)
@@ -548,12 +548,7 @@ class PrefillBalancer:
         reason = "own_bucket" if self._server[bucket] == bucket else "shared_bucket"
         best = score
         if self._spill is not None and score > 0.0:  # a zero own score never spills
-            for nbr in (bucket - 1, bucket + 1):
-                if not 0 <= nbr < len(self._lo) or self._server[nbr] == self._server[bucket]:
-                    continue
-                nlo, nhi = self._lo[nbr], self._hi[nbr]
-                if nlo == nhi:
-                    continue
+            for nlo, nhi in self._neighbours(bucket):
                 # the neighbour's idle engines pay the wake penalty too
                 nk, nscore, ntop = least_scored(load, nlo, nhi, r, wake)
                 if score > self._spill * nscore and nscore < best:
@@ -566,6 +561,16 @@ class PrefillBalancer:
                 slot, reason = hole, "fill"
         return slot, reason
 
+    def _neighbours(self, bucket: int) -> list[tuple[int, int]]:
+        """Slot ranges of the neighbouring buckets a request of ``bucket`` may spill to: served
+        by other engines than its own, and holding at least one engine."""
+        out = []
+        for nbr in (bucket - 1, bucket + 1):
+            if 0 <= nbr < len(self._lo) and self._server[nbr] != self._server[bucket]:
+                if self._lo[nbr] != self._hi[nbr]:
+                    out.append((self._lo[nbr], self._hi[nbr]))
+        return out
+
     def _choose_engine(self, bucket: int, lo: int, hi: int) -> tuple[int, str]:
         """``_choose`` with ``context_parallel``: engines scored by their mean quota load."""
         load = self._load
@@ -576,12 +581,7 @@ class PrefillBalancer:
         reason = "own_bucket" if self._server[bucket] == bucket else "shared_bucket"
         if self._spill is not None and score > 0.0:
             best = score
-            for nbr in (bucket - 1, bucket + 1):
-                if not 0 <= nbr < len(self._lo) or self._server[nbr] == self._server[bucket]:
-                    continue
-                nlo, nhi = self._lo[nbr], self._hi[nbr]
-                if nlo == nhi:
-                    continue
+            for nlo, nhi in self._neighbours(bucket):
                 nk, nscore = least_engine(load, nlo, nhi, r, wake)
                 if score > self._spill * nscore and nscore < best:
                     slot, best, reason = nlo + nk, nscore, "spill"
