@@ -445,14 +445,14 @@ def _print_report(r: dict[str, Any], wall: float) -> None:
         mig = d["options"].get("migration")
         note = ""
         if mig is not None:
-            gbps = (
+            transfer = (
                 "transfer time not modelled"
                 if mig["s_per_kv_token"] == 0
                 else f"KV transfer {mig['s_per_kv_token'] * 1e6:.3g} us per token"
             )
             note = (
                 f"; lbkit_migrate: up to {mig['max_migrations']} move(s) every "
-                f"{mig['every_s']:g} s, {gbps}"
+                f"{mig['every_s']:g} s, {transfer}"
             )
         cols = [
             ("balance_efficiency", "balance", "r", "max"),
