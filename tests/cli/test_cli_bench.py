@@ -119,10 +119,6 @@ def test_trace_file(tmp_path, capsys):
         (["--utilization", "0"], "--utilization: must be a finite number > 0"),
         (["--migrate-every", "0.1"], "--migrate-every: needs --decode-batch"),
         (["--decode-batch", "4", "--migrate-every", "-1"], "--migrate-every: must be a finite"),
-        (
-            ["--decode-batch", "4", "--migrate-every", "0", "--decode-engines", "2"],
-            "--migrate-every: migration needs one decode engine",
-        ),
         (["--migration-gbps", "40"], "--migration-gbps: needs --migrate-every"),
         (
             ["--decode-batch", "4", "--migrate-every", "0", "--migration-gbps", "0"],

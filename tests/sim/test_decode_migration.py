@@ -83,7 +83,6 @@ class _BadMigrator:
     ("move", "kw", "match"),
     [
         ((0, 9), {}, "outside"),
-        ((0, 3), {}, "another engine"),
         ((1, 1), {}, "not running"),  # request 1 arrives later: not admitted yet
         ((0, 1), {"max_batch": 1}, "capacity"),
     ],
@@ -100,8 +99,6 @@ def test_bad_migrations_are_refused(move, kw, match):
 
 
 def test_lbkit_decode_migration_options_are_checked():
-    with pytest.raises(ValueError, match="migrate_every_s: migration needs one decode engine"):
-        LbkitDecode(2, 4, migrate_every_s=0.1)
     with pytest.raises(ValueError, match="migrate_every_s"):
         LbkitDecode(1, 4, migrate_every_s=-1.0)
     with pytest.raises(ValueError, match="max_migrations"):
@@ -109,7 +106,8 @@ def test_lbkit_decode_migration_options_are_checked():
 
 
 def _state(delay_per_token, in_step):
-    """Engine 0 of two ranks: request 0 active on rank 0, 1 and 2 pending on rank 0, 3 absent."""
+    """Two engines of two ranks; on engine 0: request 0 active on rank 0, 1 and 2 pending on
+    rank 0; 3 absent."""
     DI = np.zeros((K.N_DI, 4), dtype=np.int64)
     DI[K.DI_RANK] = [0, 0, 0, -1]
     DI[K.DI_LEFT] = [5, 5, 5, 5]
@@ -117,12 +115,12 @@ def _state(delay_per_token, in_step):
     DI[K.DI_POS] = [0, -1, -1, -1]
     DI[K.DI_NEXT] = [-1, 2, -1, -1]
     DF = np.full((K.N_DF, 4), np.nan)
-    DK = np.zeros((K.N_DK, 2), dtype=np.int64)
+    DK = np.zeros((K.N_DK, 4), dtype=np.int64)
     DK[K.DK_B, 0], DK[K.DK_S, 0], DK[K.DK_PB, 0], DK[K.DK_PS, 0] = 3, 100, 2, 30
-    DE = np.zeros((K.N_DE, 1))
-    DE[K.DE_END] = 7.0 if in_step else np.inf
-    DE[K.DE_NACT], DE[K.DE_PHEAD], DE[K.DE_PTAIL], DE[K.DE_THEAD] = 1, 1, 2, -1
-    ACT = np.zeros((1, 4), dtype=np.int64)
+    DE = np.zeros((K.N_DE, 2))
+    DE[K.DE_END] = [7.0 if in_step else np.inf, np.inf]
+    DE[K.DE_NACT], DE[K.DE_PHEAD], DE[K.DE_PTAIL], DE[K.DE_THEAD] = [1, 0], [1, -1], [2, -1], -1
+    ACT = np.zeros((2, 4), dtype=np.int64)
     D = np.zeros(K.N_D)
     D[K.D_RANKS] = 2
     D[K.D_MIG_TOKEN] = delay_per_token
@@ -139,7 +137,7 @@ def test_decode_migrate_kernel_jit_parity(delay_per_token, in_step):
         arrays = _state(delay_per_token, in_step)
         codes = [fn(i, g, 1.0 + j, *arrays) for j, (i, g) in enumerate(moves)]
         outs.append((codes, arrays))
-    assert outs[0][0] == outs[1][0] == [0, 0, 0, 0, -1, 0, -2]
+    assert outs[0][0] == outs[1][0] == [0, 0, 0, 0, -1, 0, 0]
     for a, b in zip(outs[0][1], outs[1][1], strict=True):
         np.testing.assert_array_equal(a, b)
 
@@ -153,11 +151,22 @@ def test_decode_migrate_kernel_keeps_the_ledger():
     assert DI[K.DI_POS, 2] == K.POS_TRANSIT and DF[K.DF_READY, 2] == pytest.approx(1.2)
     assert K.decode_migrate(0, 1, 2.0, DI, DF, DK, DE, ACT, D) == 0  # active in the step
     assert DE[K.DE_NACT, 0] == 1 and DI[K.DI_POS, 0] == 0 and DF[K.DF_READY, 0] == 2.7
-    np.testing.assert_array_equal(DK[K.DK_B], [1, 2])
-    np.testing.assert_array_equal(DK[K.DK_S], [10, 90])
-    np.testing.assert_array_equal(DK[K.DK_PB], [1, 0])
-    np.testing.assert_array_equal(DK[K.DK_TB], [0, 2])
-    np.testing.assert_array_equal(DK[K.DK_TS], [0, 90])
+    np.testing.assert_array_equal(DK[K.DK_B], [1, 2, 0, 0])
+    np.testing.assert_array_equal(DK[K.DK_S], [10, 90, 0, 0])
+    np.testing.assert_array_equal(DK[K.DK_PB], [1, 0, 0, 0])
+    np.testing.assert_array_equal(DK[K.DK_TB], [0, 2, 0, 0])
+    np.testing.assert_array_equal(DK[K.DK_TS], [0, 90, 0, 0])
+    # to engine 1: request 2 leaves engine 0's transit list for engine 1's and restarts
+    assert K.decode_migrate(2, 3, 3.0, DI, DF, DK, DE, ACT, D) == 0
+    assert DE[K.DE_THEAD, 0] == -1 and DE[K.DE_THEAD, 1] == 2 and DF[K.DF_READY, 2] == 3.2
+    # a pending request moved to another engine waits for it even without a transfer time
+    D[K.D_MIG_TOKEN] = 0.0
+    assert K.decode_migrate(1, 2, 4.0, DI, DF, DK, DE, ACT, D) == 0
+    assert DE[K.DE_PHEAD, 0] == -1 and DE[K.DE_PTAIL, 0] == -1 and DE[K.DE_THEAD, 1] == 1
+    assert DI[K.DI_NEXT, 1] == 2 and DF[K.DF_READY, 1] == 4.0
+    np.testing.assert_array_equal(DK[K.DK_B], [0, 1, 1, 1])
+    np.testing.assert_array_equal(DK[K.DK_TB], [0, 1, 1, 1])
+    np.testing.assert_array_equal(DK[K.DK_PB], [0, 0, 0, 0])
 
 
 class _Scripted:
@@ -201,6 +210,34 @@ def test_transfer_time_stalls_the_migrated_request():
     assert free.finish_s[0] < run.finish_s[0] - 9.0 and free.tokens_generated == 11
 
 
+def test_a_request_moved_to_another_engine_joins_its_next_step():
+    """Two engines of one rank, unit costs. Request 0 (1,000 tokens, 10 steps) runs on engine
+    0 (steps 0-3.0, 3.0-6.001 s); moved at 5 s to engine 1, idle until then, it finishes its
+    step on engine 0 and, without a transfer time, engine 1 starts a step at 6.001 s for its
+    last 8 steps (16 + 0.001 x (1,002 + ... + 1,009) s)."""
+    unit = PRESETS["unit"]
+    t = Trace(arrival_s=[0.0, 5.0], total_tokens=[1000, 100], output_tokens=[11, 2])
+    pol = _Scripted(0, 1, 5.0)
+    run = simulate_decode(t, pol, num_engines=2, ranks_per_engine=1, cost=unit.decode)
+    assert run.rank.tolist() == [1, 0] and run.migrations == 1 and run.migration_s == 0.0
+    assert run.finish_s[0] == pytest.approx(6.001 + 16 + 0.001 * sum(range(1002, 1010)))
+    assert run.finish_s[1] == pytest.approx(6.001 + 2.1)  # request 1 alone on engine 0
+    assert run.tokens_generated == 11
+    assert pol.views[-1][0].sum() == 0 and pol.views[-1][1].sum() == 0
+
+
+def test_lbkit_migrates_across_engines():
+    """Two engines of 8 ranks: lbkit's balancer plans over all 16 ranks and the simulator
+    moves requests between engines; every request finishes and the ledger empties."""
+    t = _heavy_tailed(800, seed=2)
+    pol = LbkitDecode(2, 8, migrate_every_s=0.0)
+    run = simulate_decode(t, pol, num_engines=2, ranks_per_engine=8, cost=H800.decode,
+                          migration_s_per_kv_token=1e-6)  # fmt: skip
+    assert run.migrations > 0 and not np.isnan(run.finish_s).any()
+    assert run.tokens_generated == int((t.output_tokens - 1).sum())
+    assert len(pol.balancer) == 0
+
+
 def test_transfer_with_a_latency_only():
     unit = PRESETS["unit"]
     t = Trace(arrival_s=[0.0, 5.0], total_tokens=[1000, 100], output_tokens=[11, 2])
@@ -239,13 +276,15 @@ class _RandomMigrator:
 
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("latency_s", [0.0, 0.003, 0.05])
-def test_random_migrations_with_transfers_conserve_every_token(seed, latency_s):
-    """Whatever the moves (pending, mid-step, in transit, to the same rank), every request
-    generates exactly its tokens and the per-rank ledger empties."""
+@pytest.mark.parametrize("engines", [1, 2])
+def test_random_migrations_with_transfers_conserve_every_token(seed, latency_s, engines):
+    """Whatever the moves (pending, mid-step, in transit, to the same rank, to another
+    engine), every request generates exactly its tokens and the per-rank ledger empties."""
     t = synthetic_trace(300, rate_per_s=200.0, rng=seed)
     pol = _RandomMigrator(4, seed)
-    run = simulate_decode(t, pol, num_engines=1, ranks_per_engine=4, cost=H800.decode,
-                          migration_latency_s=latency_s, migration_s_per_kv_token=1e-6)  # fmt: skip
+    run = simulate_decode(t, pol, num_engines=engines, ranks_per_engine=4 // engines,
+                          cost=H800.decode, migration_latency_s=latency_s,
+                          migration_s_per_kv_token=1e-6)  # fmt: skip
     fin = run.output_tokens > 1
     assert not np.isnan(run.finish_s[fin]).any()
     assert run.tokens_generated == int((t.output_tokens[fin] - 1).sum())

@@ -71,3 +71,24 @@ def test_bad_window(kwargs, exc, match):
 def test_decode_refuses_other_inputs():
     with pytest.raises(TypeError, match="prefill: must be a PrefillRun or a Trace"):
         simulate_decode([1.0], "round_robin", cost=UNIT.decode)
+
+
+def test_batch_per_rank_counts_each_engine_step_once():
+    """Two engines of one rank, one request each, running side by side: every engine step runs
+    a batch of one on its rank (a mean of 1, whatever the number of engines)."""
+    t = Trace(arrival_s=[0.0, 0.0], total_tokens=[100, 100], output_tokens=[6, 6])
+    run = simulate_decode(t, "least_requests", num_engines=2, ranks_per_engine=1,
+                          cost=PRESETS["unit"].decode, window_s=(0.0, 100.0))  # fmt: skip
+    m = decode_metrics(run)
+    assert run.num_steps == 10 and run.tokens_generated == 10
+    assert m["batch_per_rank_mean"] == 1.0 and m["window"]["batch_per_rank_mean"] == 1.0
+
+
+@pytest.mark.parametrize(("engines", "ranks"), [(1, 8), (2, 4)])
+def test_decode_batch_calibration_with_several_engines(engines, ranks):
+    from lbkit.sim.bench import scale_to_decode_batch
+
+    t = synthetic_trace(1500, rate_per_s=20.0, rng=2)
+    _, _, got = scale_to_decode_batch(t, 6.0, num_engines=engines, ranks_per_engine=ranks,
+                                      cost=PRESETS["h800_dsv3"].decode)  # fmt: skip
+    assert 5.0 < got < 7.0

@@ -29,11 +29,11 @@ requests of engine ``e`` are ``ACT[e, :DE_NACT]`` (dense, swap-removed). Admitte
 a per-engine FIFO list (``DI_NEXT``) and join at the next step. One step: every active request
 generates one token (its KV grows by one); a request leaves at the end of the step that generated
 its last token. A request migrated with a transfer time (``D_MIG_LAT + D_MIG_TOKEN * kv > 0``)
-stops decoding: it finishes the step it is in (``DF_READY`` set marks it), then waits in the
-engine's transit list (``DE_THEAD``, linked by ``DI_NEXT``, ``DI_POS == -2``) until ``DF_READY``
-and joins the first step that starts after that. From the move on it counts on its new rank
-(``DK_B``, ``DK_S``: memory is reserved there) and in ``DK_TB``, ``DK_TS``, which step times and
-KV growth leave out.
+or to another engine stops decoding: it finishes the step it is in (``DF_READY`` set marks it),
+then waits in its new engine's transit list (``DE_THEAD``, linked by ``DI_NEXT``,
+``DI_POS == -2``) until ``DF_READY`` and joins the first step that starts after that. From the
+move on it counts on its new rank (``DK_B``, ``DK_S``: memory is reserved there) and in
+``DK_TB``, ``DK_TS``, which step times and KV growth leave out.
 """
 
 from __future__ import annotations
@@ -725,10 +725,10 @@ def _decode_end(e, DI, DF, DK, DE, ACT, D, EVR, nev):
                 DF[DF_FINISH, i] = end
                 EVR[nev] = i
                 nev += 1
-            else:
-                DI[DI_POS, i] = POS_TRANSIT
-                DI[DI_NEXT, i] = np.int64(DE[DE_THEAD, e])
-                DE[DE_THEAD, e] = i
+            else:  # its KV cannot arrive before it leaves this step
+                if DF[DF_READY, i] < end:
+                    DF[DF_READY, i] = end
+                _to_transit(DI, DE, DI[DI_RANK, i] // np.int64(D[D_RANKS]), i)
         else:
             k += 1
     DE[DE_NACT, e] = nact
@@ -760,26 +760,51 @@ def decode_admit(i, f, t, DI, DF, DK, DE, D):
 
 
 @jit
-def decode_migrate(i, g, t, DI, DF, DK, DE, ACT, D):
-    """Move running request ``i`` to flat rank ``g`` of the same engine at time ``t``.
+def _unlink(DI, DE, head, tail, e, i):
+    """Remove ``i`` from engine ``e``'s list starting at ``DE[head, e]`` (linked by
+    ``DI_NEXT``; ``tail`` is the row of its last element, or -1 if the list keeps none)."""
+    prev = np.int64(-1)
+    j = np.int64(DE[head, e])
+    while j != i:
+        prev = j
+        j = DI[DI_NEXT, j]
+    nxt = DI[DI_NEXT, i]
+    if prev < 0:
+        DE[head, e] = nxt
+    else:
+        DI[DI_NEXT, prev] = nxt
+    if tail >= 0 and DE[tail, e] == i:
+        DE[tail, e] = prev
 
-    Without a transfer time the request keeps decoding (a request waiting for the engine's next
-    step moves its pending counts too: the step's KV growth skips it wherever it is). With one,
-    it stops decoding until ``t + D_MIG_LAT + D_MIG_TOKEN * kv``: a request in a running step
-    finishes that step first, a pending one enters the transit list at once, and one already
-    moving restarts its transfer towards ``g``. Returns 0, or -1 when ``i`` is not running
-    (finished, refused or not yet admitted) and -2 when ``g`` is on another engine; nothing
-    changes then (nor when ``g`` is its rank).
+
+@jit
+def _to_transit(DI, DE, e, i):
+    """Put ``i`` at the head of engine ``e``'s transit list."""
+    DI[DI_POS, i] = POS_TRANSIT
+    DI[DI_NEXT, i] = np.int64(DE[DE_THEAD, e])
+    DE[DE_THEAD, e] = i
+
+
+@jit
+def decode_migrate(i, g, t, DI, DF, DK, DE, ACT, D):
+    """Move running request ``i`` to flat rank ``g`` at time ``t``.
+
+    Within an engine and without a transfer time the request keeps decoding (a request waiting
+    for the engine's next step moves its pending counts too: the step's KV growth skips it
+    wherever it is). Otherwise it stops decoding until ``t + D_MIG_LAT + D_MIG_TOKEN * kv``
+    and then joins the first step of ``g``'s engine: a request in a running step finishes that
+    step first, a pending one enters the transit list at once, and one already moving restarts
+    its transfer towards ``g``. Returns 0, or -1 when ``i`` is not running (finished, refused
+    or not yet admitted); nothing changes then (nor when ``g`` is its rank).
     """
     f = DI[DI_RANK, i]
     if f < 0 or DI[DI_LEFT, i] <= 0:
         return -1
-    ranks = np.int64(D[D_RANKS])
-    e = f // ranks
-    if e != g // ranks:
-        return -2
     if f == g:
         return 0
+    ranks = np.int64(D[D_RANKS])
+    e = f // ranks
+    eg = g // ranks
     kv = DI[DI_KV, i]
     DK[DK_B, f] -= 1
     DK[DK_S, f] -= kv
@@ -788,34 +813,24 @@ def decode_migrate(i, g, t, DI, DF, DK, DE, ACT, D):
     DI[DI_RANK, i] = g
     pos = DI[DI_POS, i]
     delay = D[D_MIG_LAT] + D[D_MIG_TOKEN] * kv
+    pause = delay > 0.0 or e != eg  # another engine: it joins that engine's next step
     if pos == POS_TRANSIT or (pos >= 0 and not np.isnan(DF[DF_READY, i])):
         # already moving: the transfer restarts towards g
         DK[DK_TB, f] -= 1
         DK[DK_TS, f] -= kv
+        if pos == POS_TRANSIT and e != eg:
+            _unlink(DI, DE, DE_THEAD, -1, e, i)
+            _to_transit(DI, DE, eg, i)
     elif pos < 0:  # pending: joined since the current step started
         DK[DK_PB, f] -= 1
         DK[DK_PS, f] -= kv
-        if delay <= 0.0:
+        if not pause:
             DK[DK_PB, g] += 1
             DK[DK_PS, g] += kv
             return 0
-        # unlink from the engine's pending list; it waits in the transit list instead
-        prev = np.int64(-1)
-        j = np.int64(DE[DE_PHEAD, e])
-        while j != i:
-            prev = j
-            j = DI[DI_NEXT, j]
-        nxt = DI[DI_NEXT, i]
-        if prev < 0:
-            DE[DE_PHEAD, e] = nxt
-        else:
-            DI[DI_NEXT, prev] = nxt
-        if DE[DE_PTAIL, e] == i:
-            DE[DE_PTAIL, e] = prev
-        DI[DI_POS, i] = POS_TRANSIT
-        DI[DI_NEXT, i] = np.int64(DE[DE_THEAD, e])
-        DE[DE_THEAD, e] = i
-    elif delay <= 0.0:
+        _unlink(DI, DE, DE_PHEAD, DE_PTAIL, e, i)
+        _to_transit(DI, DE, eg, i)
+    elif not pause:
         return 0
     elif DE[DE_END, e] == np.inf:  # active between steps: leaves the active set now
         nact = np.int64(DE[DE_NACT, e]) - 1
@@ -823,10 +838,8 @@ def decode_migrate(i, g, t, DI, DF, DK, DE, ACT, D):
         ACT[e, pos] = last
         DI[DI_POS, last] = pos
         DE[DE_NACT, e] = nact
-        DI[DI_POS, i] = POS_TRANSIT
-        DI[DI_NEXT, i] = np.int64(DE[DE_THEAD, e])
-        DE[DE_THEAD, e] = i
-    # else: in the running step; _decode_end moves it to the transit list
+        _to_transit(DI, DE, eg, i)
+    # else: in the running step; _decode_end moves it to its new engine's transit list
     DK[DK_TB, g] += 1
     DK[DK_TS, g] += kv
     DF[DF_READY, i] = t + delay
@@ -834,37 +847,56 @@ def decode_migrate(i, g, t, DI, DF, DK, DE, ACT, D):
 
 
 @jit
+def _next_start(e, DI, DF, DE):
+    """When idle engine ``e`` (no step running) may start its next step: at ``DE_READY`` if it
+    has active or pending requests, else when the first migrated request's KV has arrived (not
+    before ``DE_READY``); ``inf`` when it has nothing to run."""
+    if DE[DE_NACT, e] > 0 or DE[DE_PHEAD, e] >= 0:
+        return DE[DE_READY, e]
+    first = np.inf
+    i = np.int64(DE[DE_THEAD, e])
+    while i >= 0:
+        if DF[DF_READY, i] < first:
+            first = DF[DF_READY, i]
+        i = DI[DI_NEXT, i]
+    if first < DE[DE_READY, e]:
+        first = DE[DE_READY, e]
+    return first
+
+
+@jit
 def decode_advance(t_until, DI, DF, DK, DE, ACT, D, ACC, BINS, EVR):
-    """Run every decode engine's steps up to ``t_until``; return (events, finished flag)."""
+    """Run the decode engines' steps up to ``t_until``; return (events, finished flag).
+
+    Step ends and starts of all engines are taken in time order (at equal times ends first,
+    then the lowest engine): a request migrated to another engine leaves its step's end for
+    that engine's transit list, which may start the engine's next step.
+    """
     nev = 0
     cap = EVR.shape[0]
-    for e in range(DE.shape[1]):
-        while True:
+    engines = DE.shape[1]
+    while True:
+        best = -1
+        best_t = np.inf
+        best_end = False
+        for e in range(engines):
             if DE[DE_END, e] < np.inf:
-                if DE[DE_END, e] > t_until:
-                    break
-                if nev + DE[DE_NACT, e] > cap:
-                    return nev, 0
-                nev = _decode_end(e, DI, DF, DK, DE, ACT, D, EVR, nev)
-            elif (DE[DE_NACT, e] > 0 or DE[DE_PHEAD, e] >= 0) and DE[DE_READY, e] < t_until:
-                _decode_start(e, DI, DF, DK, DE, ACT, D, ACC, BINS)
-            elif DE[DE_THEAD, e] >= 0:
-                # idle but for migrated requests: the next step starts when the first arrives
-                first = np.inf
-                i = np.int64(DE[DE_THEAD, e])
-                while i >= 0:
-                    if DF[DF_READY, i] < first:
-                        first = DF[DF_READY, i]
-                    i = DI[DI_NEXT, i]
-                if first < DE[DE_READY, e]:
-                    first = DE[DE_READY, e]
-                if first >= t_until:
-                    break
-                DE[DE_READY, e] = first
-                _decode_start(e, DI, DF, DK, DE, ACT, D, ACC, BINS)
+                te = DE[DE_END, e]
+                if te <= t_until and (te < best_t or (te == best_t and not best_end)):
+                    best, best_t, best_end = e, te, True
             else:
-                break
-    return nev, 1
+                te = _next_start(e, DI, DF, DE)
+                if te < t_until and te < best_t:
+                    best, best_t, best_end = e, te, False
+        if best < 0:
+            return nev, 1
+        if best_end:
+            if nev + DE[DE_NACT, best] > cap:
+                return nev, 0
+            nev = _decode_end(best, DI, DF, DK, DE, ACT, D, EVR, nev)
+        else:
+            DE[DE_READY, best] = best_t
+            _decode_start(best, DI, DF, DK, DE, ACT, D, ACC, BINS)
 
 
 def warmup() -> None:

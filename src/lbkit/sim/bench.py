@@ -372,7 +372,8 @@ def scale_to_decode_batch(
             window_s=steady_window(t),
         )  # fmt: skip
         w = run.window_sums
-        return float(w[K.DACC_TOKENS] / max(w[K.DACC_STEPS] * e * r, 1.0))
+        # engine steps (summed over engines) of r ranks each
+        return float(w[K.DACC_TOKENS] / max(w[K.DACC_STEPS] * r, 1.0))
 
     # The batch falls as arrivals stretch (larger factor); bisect on log(factor) inside a
     # bracket grown from the first guess, keeping the closest factor seen.
@@ -440,7 +441,7 @@ def run_decode_bench(
     migrate_every_s : float, optional
         Also run lbkit's balancer migrating running requests (``"lbkit_migrate"``:
         :class:`~lbkit.sim.policies_decode.LbkitDecode` with ``migrate_every_s`` and
-        ``max_migrations``; one decode engine only).
+        ``max_migrations``; moves may cross engines).
     max_migrations : int, default 1
         Moves per rebalance.
     migration_latency_s, migration_s_per_kv_token : float, default 0
@@ -472,7 +473,7 @@ def run_decode_bench(
     if migrate_every_s is not None:
         from lbkit.sim.policies_decode import LbkitDecode
 
-        # validates migrate_every_s (one engine), max_migrations
+        # validates migrate_every_s and max_migrations
         LbkitDecode(de, dr, migrate_every_s=migrate_every_s, max_migrations=max_migrations)
         policies["lbkit_migrate"] = lambda: LbkitDecode(
             de, dr, rng=seed, migrate_every_s=migrate_every_s, max_migrations=max_migrations

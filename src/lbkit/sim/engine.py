@@ -664,9 +664,10 @@ def simulate_decode(
         steady state between ramp-up and drain); see ``DecodeRun.window_sums``.
     migration_latency_s, migration_s_per_kv_token : float, default 0
         KV transfer time of a migrated request: ``latency + s_per_kv_token * kv_tokens``
-        seconds, during which it does not decode (it leaves its step and joins the first step of
-        its new rank that starts after the transfer; its KV is reserved there meanwhile). With
-        both 0 a migrated request keeps decoding without a pause. For example a model with
+        seconds, during which it does not decode (it finishes its step and joins the first step
+        of its new rank's engine that starts after the transfer; its KV is reserved there
+        meanwhile). With both 0 a request moved within its engine keeps decoding without a
+        pause; one moved to another engine joins that engine's next step. For example a model with
         70,272 KV bytes per token (DeepSeek-V3's MLA cache in BF16: 61 layers x 576 values x 2
         bytes) over 40 GB/s is ``migration_s_per_kv_token=1.76e-6``.
     rng : numpy Generator, int seed or None
@@ -842,8 +843,6 @@ def _migrate(moves: Any, name: str, t: float, DI, DF, DK, DE, ACT, D, nr: int,
         code = K.decode_migrate(i, g, t, DI, DF, DK, DE, ACT, D)
         if code == -1:
             raise ValueError(f"policy {name!r} migrated request {i}, which is not running")
-        if code == -2:
-            raise ValueError(f"policy {name!r} migrated request {i} to another engine")
         if same:
             continue
         count += 1

@@ -213,7 +213,6 @@ def decode_metrics(run: DecodeRun, /, *, total_tokens: np.ndarray | None = None,
     tpot = np.where(finished, run.tpot_s, np.nan)
     steps = max(run.num_steps, 1)
     t_total = run.step_time_s
-    num_ranks = run.num_engines * run.ranks_per_engine
     first = float(np.nanmin(run.handover_s)) if arrived else 0.0
     elapsed = max(run.end_s - first, 1e-12)
     out: dict[str, Any] = {
@@ -228,7 +227,8 @@ def decode_metrics(run: DecodeRun, /, *, total_tokens: np.ndarray | None = None,
         "single_token": int((run.rank == -2).sum()),
         "steps": run.num_steps,
         "step_time_mean_s": t_total / steps,
-        "batch_per_rank_mean": run.tokens_generated / (steps * num_ranks),
+        # steps sum over engines, each stepping ranks_per_engine ranks
+        "batch_per_rank_mean": run.tokens_generated / (steps * run.ranks_per_engine),
         "busy_fraction": t_total / (run.num_engines * elapsed),
         "end_s": run.end_s,
         "migrations": run.migrations,
@@ -255,7 +255,7 @@ def decode_metrics(run: DecodeRun, /, *, total_tokens: np.ndarray | None = None,
             "count_imbalance": w[K.DACC_BIMB] / wt if wt > 0 else 1.0,
             "kv_imbalance": w[K.DACC_SIMB] / wt if wt > 0 else 1.0,
             "count_imbalance_floor": w[K.DACC_BFLOOR] / wt if wt > 0 else 1.0,
-            "batch_per_rank_mean": w[K.DACC_TOKENS] / (ws * num_ranks),
+            "batch_per_rank_mean": w[K.DACC_TOKENS] / (ws * run.ranks_per_engine),
             "note": "the same sums over the steps that start inside the window (steady state)",
         }
     out["reference"] = {

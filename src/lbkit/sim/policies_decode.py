@@ -8,11 +8,11 @@ The protocol of :func:`lbkit.sim.engine.simulate_decode` is an object with
 ``observe(finished, /, *, now_s, view) -> None``
     Requests that finished decoding since the last call (an int64 array the simulator reuses).
 ``migrations(*, now_s, view) -> sequence of (request, rank)`` (optional)
-    Called before each routing decision: running requests to move to another rank of the same
-    engine (their KV goes with them, and with ``simulate_decode(migration_latency_s=,
-    migration_s_per_kv_token=)`` they stop decoding while it does; a move to the request's own
-    rank is ignored). The simulator checks each move (running request, same engine,
-    capacities) and raises ``ValueError`` otherwise.
+    Called before each routing decision: running requests to move to another rank (their KV
+    goes with them; with ``simulate_decode(migration_latency_s=, migration_s_per_kv_token=)``
+    they stop decoding while it does, and a request moved to another engine joins that engine's
+    next step; a move to the request's own rank is ignored). The simulator checks each move
+    (running request, rank in range, capacities) and raises ``ValueError`` otherwise.
 
 ``view`` is a :class:`~lbkit.sim.engine.DecodeView`: per rank the requests admitted ``B_r`` and
 their KV tokens ``S_r`` (exact at ``now_s``), the steps each engine has run, and the capacities.
@@ -159,8 +159,8 @@ class LbkitDecode:
 
     ``migrate_every_s`` (default ``None``: never) turns on migration: at most every
     ``migrate_every_s`` seconds of simulated time, :meth:`~lbkit.decode.DecodeBalancer.rebalance`
-    with ``max_migrations`` moves, handed to the simulator through ``migrations`` (one engine
-    only: moves stay inside an engine). ``migrated_kv_tokens`` sums the KV tokens moved. While
+    with ``max_migrations`` moves over all ranks of all engines, handed to the simulator through
+    ``migrations``. ``migrated_kv_tokens`` sums the KV tokens moved. While
     a move's KV transfer is modelled the request does not decode, but the ledger still grows its
     KV by a token per step (a drift of a few tokens per move).
     """
@@ -174,10 +174,6 @@ class LbkitDecode:
 
         if migrate_every_s is not None:
             migrate_every_s = check_real(migrate_every_s, "migrate_every_s", min_value=0.0)
-            if num_engines != 1:
-                raise ValueError(
-                    f"migrate_every_s: migration needs one decode engine, got {num_engines}"
-                )
         self._every = migrate_every_s
         self._moves = check_int(max_migrations, "max_migrations", min_value=0)
         self._next_s = -np.inf
