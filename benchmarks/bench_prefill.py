@@ -28,9 +28,14 @@ def _warm():
     lbkit.warmup(packages=("prefill",))
 
 
-#: Rank-choice options of the routing benchmark: the plain least quota load, and the
-#: engine-aware choice of the simulator's ``lbkit`` policy (wake penalty and hole filling).
-OPTIONS = {"plain": {}, "engine_aware": {"wake_penalty_s": 1.0, "fill_holes": True}}
+#: Rank-choice options of the routing benchmark: the plain least quota load, the engine-aware
+#: choice of the simulator's ``lbkit`` policy (wake penalty and hole filling), and the choice by
+#: engine for context-parallel engines.
+OPTIONS = {
+    "plain": {},
+    "engine_aware": {"wake_penalty_s": 1.0, "fill_holes": True},
+    "context_parallel": {"context_parallel": True},
+}
 
 
 def _pool(ranks: int, **options) -> PrefillBalancer:
