@@ -88,6 +88,16 @@ def partition_min_max(demand, num_groups, starts):
 
 
 @jit
+def _engine_top(load, e0, ranks):
+    """Load of the most loaded of the ``ranks`` slots starting at ``e0`` (one engine)."""
+    top = load[e0]
+    for s in range(e0 + 1, e0 + ranks):
+        if load[s] > top:
+            top = load[s]
+    return top
+
+
+@jit
 def least_scored(load, lo, hi, ranks, wake):
     """Routing choice over the slots ``lo:hi`` (whole engines of ``ranks`` contiguous slots).
 
@@ -99,10 +109,7 @@ def least_scored(load, lo, hi, ranks, wake):
     best = np.inf
     best_top = 0.0
     for e0 in range(lo, hi, ranks):
-        top = load[e0]
-        for s in range(e0 + 1, e0 + ranks):
-            if load[s] > top:
-                top = load[s]
+        top = _engine_top(load, e0, ranks)
         pen = 0.0 if top > 0.0 else wake
         for s in range(e0, e0 + ranks):
             v = load[s] + pen
@@ -148,11 +155,7 @@ def roomy_slot(load, end, ranks, quota):
     best = -1
     best_v = np.inf
     for e0 in range(0, end, ranks):
-        top = load[e0]
-        for s in range(e0 + 1, e0 + ranks):
-            if load[s] > top:
-                top = load[s]
-        lim = top - quota
+        lim = _engine_top(load, e0, ranks) - quota
         for s in range(e0, e0 + ranks):
             v = load[s]
             if v <= lim and v < best_v:
