@@ -1,0 +1,351 @@
+"""The ideal late-binding reference of the prefill pool (SPEC section 8).
+
+No router that commits a request to a rank at its arrival can beat *late binding*: one central
+queue for the whole pool, from which a rank takes work only when it has room. The ideal
+reference replays a trace through the same engines as :func:`lbkit.sim.engine.simulate_prefill`
+(``num_engines`` engines of ``ranks_per_engine`` ranks stepping synchronously, the same cost
+model, step budget and per-GPU plan) with that queue in place of a router:
+
+- An engine with work starts a step as soon as it is idle: at a step's end, or at the arrival of
+  a request when it was idle (several idle engines: the lowest index starts first).
+- At a step's start each rank first continues its started request (at most one: only the last
+  request of a plan may be partial), then the engine deals the head of the central queue, one
+  request at a time, to its open rank with the least planned time (ties: lowest rank): whole
+  while it fits the rank's budget left, else the largest chunk that fits (aligned, at least
+  ``min_chunk``), which closes that rank. A rank that has planned nothing yet takes ``min_chunk``
+  tokens when nothing fits (the progress guarantee of the plan).
+- **Order.** With ``deadline_s`` the queue is ordered by each request's SLO deadline (earliest
+  first, ties by arrival); without it, by arrival (FIFO). A FIFO central queue is *not* an upper
+  bound on SLO attainment: in a burst it makes short prompts wait behind long ones, while
+  per-rank queues routed by least tokens let a short prompt overtake them, and the SLO gives a
+  long prompt a budget in proportion to its own work. Measured on the built-in workload (8 x 8
+  ranks, ``h800_dsv3``, 3.4 requests/s): FIFO late binding meets the SLO for 0.9899 of requests,
+  ``least_tokens`` routing 0.9927, deadline order 0.9984.
+- **Level** (``level=True``, the default): an engine starting a step takes from the queue only
+  until each of its ranks holds its share of the queued work (queued work over all the pool's
+  ranks; at least one request per rank), leaving the rest to the engines whose steps end next.
+  Filling every step to the budget (``level=False``) makes steps long, and arrivals then wait for
+  them: 0.9753 in the same measurement.
+- Rank ``r`` of an engine of ``R`` ranks takes ``a + local_r + shared`` seconds with
+  ``shared = b_moe * moe_lb * sum_r c_r / R`` (routed experts over all the engine's tokens); the
+  step lasts as long as its slowest rank. Ranks plan for a balanced engine: a chunk's planned
+  cost uses the linear coefficient ``b + b_moe * moe_lb``.
+- A request's prefill ends at the end of the step that computes its last token.
+
+Requests are never refused. Every cached prefix counts as a hit wherever the request runs
+(``trace.cached_tokens``: the caller passes the global cache's hits, which bounds what per-rank
+caches can give).
+
+Runtime complexity: O(steps * (ranks_per_engine + requests per step) + requests * (num_engines
++ log requests)).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from lbkit.core._jit import jit
+from lbkit.core.cost import QuadraticCost
+from lbkit.core.validation import as_float_array, check_int, check_real
+from lbkit.sim.traces import Trace
+
+__all__ = ["IdealRun", "simulate_ideal_prefill"]
+
+# Layout of the parameter vector of the kernel.
+_A, _B_PLAN, _B_LOCAL, _K, _Q, _GAMMA, _MOE, _BUDGET, _MIN_CHUNK, _ALIGN, _LEVEL = range(11)
+_N_PARAMS = 11
+
+
+class IdealRun(NamedTuple):
+    """Outcome of :func:`simulate_ideal_prefill` (arrays in trace order).
+
+    Attributes
+    ----------
+    finish_s : ndarray of float64, shape (n,)
+        End of the step that finished each request's prefill.
+    ttft_s : ndarray of float64, shape (n,)
+        Time to first token, ``finish_s - arrival_s``.
+    num_steps : int
+        Engine steps.
+    busy_s : float
+        Sum over steps of the step time times the engine's ranks (rank-seconds the pool spent).
+    """
+
+    finish_s: np.ndarray
+    ttft_s: np.ndarray
+    num_steps: int
+    busy_s: float
+
+
+@jit
+def _plan_work(P, c, p):
+    # Planned cost of a chunk of c new tokens after a prefix of p (balanced-engine coefficient).
+    if c <= 0:
+        return 0.0
+    return c * (P[_B_PLAN] + P[_K] * p + P[_Q] * c) + P[_GAMMA] * p
+
+
+@jit
+def _local_work(P, c, p):
+    if c <= 0:
+        return 0.0
+    return c * (P[_B_LOCAL] + P[_K] * p + P[_Q] * c) + P[_GAMMA] * p
+
+
+@jit
+def _fit_chunk(P, room, rem, p):
+    # Largest chunk of a request (rem tokens left after prefix p) whose planned cost fits room:
+    # the whole request, or a chunk aligned down and at least min_chunk (else 0).
+    if not room > 0.0:
+        return 0
+    slack = room - P[_GAMMA] * p
+    if not slack > 0.0:
+        return 0
+    beta = P[_B_PLAN] + P[_K] * p
+    root = 2.0 * slack / (beta + math.sqrt(beta * beta + 4.0 * P[_Q] * slack))
+    c = np.int64(math.floor(min(root, 2.0**62)))
+    if c > rem:
+        c = rem
+    while c < rem and _plan_work(P, c + 1, p) <= room:
+        c += 1
+    while c > 0 and _plan_work(P, c, p) > room:
+        c -= 1
+    if c < rem:
+        align = np.int64(P[_ALIGN])
+        c = (c // align) * align
+        if c < np.int64(P[_MIN_CHUNK]):
+            c = 0
+    return c
+
+
+@jit
+def _before(key, i, j):
+    # Heap order: smaller key first, ties by trace position.
+    return key[i] < key[j] or (key[i] == key[j] and i < j)
+
+
+@jit
+def _push(heap, size, key, i):
+    heap[size] = i
+    c = size
+    while c > 0:
+        parent = (c - 1) // 2
+        if not _before(key, heap[c], heap[parent]):
+            break
+        heap[c], heap[parent] = heap[parent], heap[c]
+        c = parent
+    return size + 1
+
+
+@jit
+def _pop(heap, size, key):
+    size -= 1
+    heap[0] = heap[size]
+    c = 0
+    while True:
+        left = 2 * c + 1
+        if left >= size:
+            break
+        child = left
+        if left + 1 < size and _before(key, heap[left + 1], heap[left]):
+            child = left + 1
+        if not _before(key, heap[child], heap[c]):
+            break
+        heap[c], heap[child] = heap[child], heap[c]
+        c = child
+    return size
+
+
+@jit
+def _ideal_kernel(arrival, rem0, prefix0, key, num_engines, ranks, P, finish):
+    n = arrival.shape[0]
+    rem = rem0.copy()
+    pref = prefix0.copy()
+    nr = num_engines * ranks
+    partial = np.full(nr, -1, dtype=np.int64)
+    end = np.full(num_engines, np.inf)
+    planned = np.zeros(ranks)
+    local = np.zeros(ranks)
+    tokens = np.zeros(ranks, dtype=np.int64)
+    is_open = np.zeros(ranks, dtype=np.bool_)
+    done = np.empty(n, dtype=np.int64)
+    heap = np.empty(n, dtype=np.int64)  # the central queue, ordered by key (none started)
+    size = 0
+    arrived = 0
+    steps = 0
+    busy = 0.0
+    queued = 0.0  # planned work of the requests in the central queue
+    budget = P[_BUDGET]
+    a = P[_A]
+    min_chunk = np.int64(P[_MIN_CHUNK])
+    while True:
+        t_arr = arrival[arrived] if arrived < n else np.inf
+        t_end = np.inf
+        for e in range(num_engines):
+            if end[e] < t_end:
+                t_end = end[e]
+        t = t_arr if t_arr < t_end else t_end
+        if t == np.inf:
+            break
+        for e in range(num_engines):
+            if end[e] == t:
+                end[e] = np.inf
+        while arrived < n and arrival[arrived] <= t:
+            queued += _plan_work(P, rem[arrived], pref[arrived])
+            size = _push(heap, size, key, arrived)
+            arrived += 1
+        for e in range(num_engines):
+            if end[e] < np.inf:
+                continue
+            base = e * ranks
+            work = size > 0
+            for r in range(ranks):
+                if partial[base + r] >= 0:
+                    work = True
+            if not work:
+                continue
+            # Plan one step of engine e at time t.
+            ndone = 0
+            for r in range(ranks):
+                planned[r] = a
+                local[r] = 0.0
+                tokens[r] = 0
+                is_open[r] = True
+                i = partial[base + r]
+                if i < 0:
+                    continue
+                c = _fit_chunk(P, budget - a, rem[i], pref[i])
+                if c == 0:
+                    c = min_chunk if min_chunk < rem[i] else rem[i]
+                planned[r] += _plan_work(P, c, pref[i])
+                local[r] += _local_work(P, c, pref[i])
+                tokens[r] += c
+                rem[i] -= c
+                pref[i] += c
+                if rem[i] == 0:
+                    partial[base + r] = -1
+                    done[ndone] = i
+                    ndone += 1
+                else:
+                    is_open[r] = False
+            share = queued / (num_engines * ranks)
+            while size > 0:
+                best = -1
+                for r in range(ranks):
+                    if is_open[r] and (best < 0 or planned[r] < planned[best]):
+                        best = r
+                if best < 0:
+                    break
+                if P[_LEVEL] > 0.0 and planned[best] > a and planned[best] - a >= share:
+                    break  # every rank holds its share of the queue: leave the rest to others
+                i = heap[0]
+                c = _fit_chunk(P, budget - planned[best], rem[i], pref[i])
+                if c == 0:
+                    if planned[best] > a:
+                        is_open[best] = False  # full: the next open rank may take it
+                        continue
+                    c = min_chunk if min_chunk < rem[i] else rem[i]
+                planned[best] += _plan_work(P, c, pref[i])
+                local[best] += _local_work(P, c, pref[i])
+                tokens[best] += c
+                queued -= _plan_work(P, rem[i], pref[i])
+                rem[i] -= c
+                pref[i] += c
+                size = _pop(heap, size, key)
+                if rem[i] == 0:
+                    done[ndone] = i
+                    ndone += 1
+                else:
+                    partial[base + best] = i
+                    is_open[best] = False
+            total = 0
+            slowest = 0.0
+            for r in range(ranks):
+                total += tokens[r]
+                if local[r] > slowest:
+                    slowest = local[r]
+            step = a + slowest + P[_MOE] * total / ranks
+            end[e] = t + step
+            steps += 1
+            busy += step * ranks
+            for j in range(ndone):  # the plan's finished requests end with the step
+                finish[done[j]] = t + step
+    return steps, busy
+
+
+def simulate_ideal_prefill(
+    trace: Trace,
+    /,
+    *,
+    num_engines: int = 8,
+    ranks_per_engine: int = 8,
+    cost: QuadraticCost,
+    budget_s: float = 1.0,
+    min_chunk: int = 1,
+    align: int = 1,
+    deadline_s: np.ndarray | None = None,
+    level: bool = True,
+) -> IdealRun:
+    """Replay ``trace`` through the prefill pool under ideal late binding (see module docstring).
+
+    Parameters
+    ----------
+    trace : Trace
+        Requests in arrival order; ``cached_tokens`` are hits wherever the request runs.
+    num_engines, ranks_per_engine : int
+        Pool shape (default 8 x 8, SPEC section 8).
+    cost : QuadraticCost
+        Prefill step cost of one rank (its ``b_moe``/``moe_lb`` give the shared work).
+    budget_s : float, default 1.0
+        Time budget of a rank's step plan.
+    min_chunk, align : int
+        Options of the plan, as in :func:`lbkit.sim.engine.simulate_prefill`.
+    deadline_s : array_like, shape (n,), optional
+        SLO deadline of each request (absolute seconds); the central queue is served earliest
+        deadline first. Default: arrival order.
+    level : bool, default True
+        Engines take only their share of the queued work per step (see the module docstring).
+
+    Returns
+    -------
+    IdealRun
+
+    Examples
+    --------
+    >>> from lbkit.core import PRESETS
+    >>> t = Trace(arrival_s=[0.0, 0.0, 1.0], total_tokens=[100, 300, 200], output_tokens=[1, 1, 1])
+    >>> run = simulate_ideal_prefill(t, num_engines=1, ranks_per_engine=2,
+    ...                              cost=PRESETS["unit"].prefill, budget_s=1000.0)
+    >>> run.finish_s.tolist()
+    [346.0, 346.0, 567.0]
+    """
+    e = check_int(num_engines, "num_engines", min_value=1)
+    r = check_int(ranks_per_engine, "ranks_per_engine", min_value=1)
+    if not isinstance(cost, QuadraticCost):
+        raise TypeError(f"cost: must be a QuadraticCost, got {type(cost).__name__}")
+    budget = check_real(budget_s, "budget_s", min_value=0.0, strict_min=True)
+    min_chunk = check_int(min_chunk, "min_chunk", min_value=1)
+    align = check_int(align, "align", min_value=1)
+    moe = float(getattr(cost, "b_moe", 0.0)) * float(getattr(cost, "moe_lb", 1.0))
+    P = np.zeros(_N_PARAMS)
+    P[_A], P[_B_LOCAL], P[_K], P[_Q], P[_GAMMA] = cost.a, cost.b, cost.k, cost.q, cost.gamma
+    P[_B_PLAN] = cost.b + moe
+    P[_MOE] = moe
+    P[_BUDGET], P[_MIN_CHUNK], P[_ALIGN] = budget, min_chunk, align
+    P[_LEVEL] = 1.0 if level else 0.0
+    n = len(trace)
+    finish = np.full(n, np.nan)
+    if n == 0:
+        return IdealRun(finish, finish.copy(), 0, 0.0)
+    arrival = np.ascontiguousarray(trace.arrival_s, dtype=np.float64)
+    cached = np.ascontiguousarray(trace.cached_tokens, dtype=np.int64)
+    rem = np.ascontiguousarray(trace.total_tokens, dtype=np.int64) - cached
+    if deadline_s is None:
+        key = np.arange(n, dtype=np.float64)
+    else:
+        key = as_float_array(deadline_s, "deadline_s", shape=(n,))
+    steps, busy = _ideal_kernel(arrival, rem, cached, key, e, r, P, finish)
+    return IdealRun(finish, finish - arrival, int(steps), float(busy))
