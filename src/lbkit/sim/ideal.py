@@ -8,24 +8,27 @@ model, step budget and per-GPU plan) with that queue in place of a router:
 
 - An engine with work starts a step as soon as it is idle: at a step's end, or at the arrival of
   a request when it was idle (several idle engines: the lowest index starts first).
-- At a step's start each rank first continues its started request (at most one: only the last
-  request of a plan may be partial), then the engine deals the head of the central queue, one
-  request at a time, to its open rank with the least planned time (ties: lowest rank): whole
-  while it fits the rank's budget left, else the largest chunk that fits (aligned, at least
-  ``min_chunk``), which closes that rank. A rank that has planned nothing yet takes ``min_chunk``
-  tokens when nothing fits (the progress guarantee of the plan).
-- **Order.** With ``deadline_s`` the queue is ordered by each request's SLO deadline (earliest
-  first, ties by arrival); without it, by arrival (FIFO). A FIFO central queue is *not* an upper
-  bound on SLO attainment: in a burst it makes short prompts wait behind long ones, while
-  per-rank queues routed by least tokens let a short prompt overtake them, and the SLO gives a
-  long prompt a budget in proportion to its own work. Measured on the built-in workload (8 x 8
-  ranks, ``h800_dsv3``, 3.4 requests/s): FIFO late binding meets the SLO for 0.9899 of requests,
-  ``least_tokens`` routing 0.9927, deadline order 0.9984.
-- **Level** (``level=True``, the default): an engine starting a step takes from the queue only
-  until each of its ranks holds its share of the queued work (queued work over all the pool's
-  ranks; at least one request per rank), leaving the rest to the engines whose steps end next.
-  Filling every step to the budget (``level=False``) makes steps long, and arrivals then wait for
-  them: 0.9753 in the same measurement.
+- At a step's start the engine plans its ranks together: repeatedly, its open rank with the
+  least planned time (ties: lowest rank) takes the next piece of work: the head of the central
+  queue, whole while it fits the rank's budget left, else the largest chunk that fits (aligned,
+  at least ``min_chunk``), which makes it the rank's *started* request and closes the rank. A
+  rank holds at most one started request (its KV cache lives there); it continues it with the
+  budget left, unless the queue's head is more urgent and fits whole, which then runs first (a
+  started request may pause, never move). A rank that has planned nothing yet takes
+  ``min_chunk`` tokens when nothing fits (the progress guarantee of the plan).
+- **Order.** With ``deadline_s`` the queue (and the choice between a started request and the
+  queue's head) follows each request's SLO deadline, earliest first, ties by arrival; without
+  it, arrival order (FIFO). A FIFO central queue is *not* an upper bound on SLO attainment: in a
+  burst it makes short prompts wait behind long ones, while per-rank queues routed by least
+  tokens let a short prompt overtake them, and the SLO gives a long prompt a budget in
+  proportion to its own work. Measured on the built-in workload (8 x 8 ranks, ``h800_dsv3``,
+  SLO defaults): at 3.4 requests/s FIFO late binding meets the SLO for 0.9899 of requests,
+  ``least_tokens`` routing 0.9927, deadline order 1.0; at 4.0 requests/s 0.666, 0.708 and
+  0.9999.
+- **Level** (``level=True``): an engine starting a step takes from the queue only until each of
+  its ranks holds its share of the queued work (queued work over all the pool's ranks; at least
+  one request per rank), leaving the rest to the engines whose steps end next. It helps a FIFO
+  queue (0.9768 without it at 3.4 requests/s), not the deadline order (0.9996 with it at 4.0).
 - Rank ``r`` of an engine of ``R`` ranks takes ``a + local_r + shared`` seconds with
   ``shared = b_moe * moe_lb * sum_r c_r / R`` (routed experts over all the engine's tokens); the
   step lasts as long as its slowest rank. Ranks plan for a balanced engine: a chunk's planned
@@ -43,7 +46,7 @@ Runtime complexity: O(steps * (ranks_per_engine + requests per step) + requests 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -52,7 +55,7 @@ from lbkit.core.cost import QuadraticCost
 from lbkit.core.validation import as_float_array, check_int, check_real
 from lbkit.sim.traces import Trace
 
-__all__ = ["IdealRun", "simulate_ideal_prefill"]
+__all__ = ["IdealRun", "alone_s", "simulate_ideal_prefill"]
 
 # Layout of the parameter vector of the kernel.
 _A, _B_PLAN, _B_LOCAL, _K, _Q, _GAMMA, _MOE, _BUDGET, _MIN_CHUNK, _ALIGN, _LEVEL = range(11)
@@ -171,6 +174,7 @@ def _ideal_kernel(arrival, rem0, prefix0, key, num_engines, ranks, P, finish):
     local = np.zeros(ranks)
     tokens = np.zeros(ranks, dtype=np.int64)
     is_open = np.zeros(ranks, dtype=np.bool_)
+    ran = np.zeros(ranks, dtype=np.bool_)
     done = np.empty(n, dtype=np.int64)
     heap = np.empty(n, dtype=np.int64)  # the central queue, ordered by key (none started)
     size = 0
@@ -214,50 +218,54 @@ def _ideal_kernel(arrival, rem0, prefix0, key, num_engines, ranks, P, finish):
                 local[r] = 0.0
                 tokens[r] = 0
                 is_open[r] = True
-                i = partial[base + r]
-                if i < 0:
-                    continue
-                c = _fit_chunk(P, budget - a, rem[i], pref[i])
-                if c == 0:
-                    c = min_chunk if min_chunk < rem[i] else rem[i]
-                planned[r] += _plan_work(P, c, pref[i])
-                local[r] += _local_work(P, c, pref[i])
-                tokens[r] += c
-                rem[i] -= c
-                pref[i] += c
-                if rem[i] == 0:
-                    partial[base + r] = -1
-                    done[ndone] = i
-                    ndone += 1
-                else:
-                    is_open[r] = False
+                ran[r] = False
             share = queued / (num_engines * ranks)
-            while size > 0:
+            while True:
                 best = -1
                 for r in range(ranks):
                     if is_open[r] and (best < 0 or planned[r] < planned[best]):
                         best = r
                 if best < 0:
                     break
-                if P[_LEVEL] > 0.0 and planned[best] > a and planned[best] - a >= share:
-                    break  # every rank holds its share of the queue: leave the rest to others
-                i = heap[0]
-                c = _fit_chunk(P, budget - planned[best], rem[i], pref[i])
+                p = partial[base + best]
+                if ran[best]:
+                    p = -1  # its started request has had its chunk this step
+                h = -1
+                if size > 0 and (
+                    P[_LEVEL] == 0.0 or planned[best] == a or planned[best] - a < share
+                ):
+                    h = heap[0]  # (level: the rank does not yet hold its share of the queue)
+                room = budget - planned[best]
+                if h >= 0 and p >= 0:
+                    # The queue's head overtakes the rank's started request only if it is more
+                    # urgent and fits whole (a rank holds at most one started request).
+                    if not (_before(key, h, p) and _fit_chunk(P, room, rem[h], pref[h]) >= rem[h]):
+                        h = -1
+                if h < 0 and p < 0:
+                    is_open[best] = False
+                    continue
+                i = h if h >= 0 else p
+                c = _fit_chunk(P, room, rem[i], pref[i])
                 if c == 0:
                     if planned[best] > a:
                         is_open[best] = False  # full: the next open rank may take it
                         continue
-                    c = min_chunk if min_chunk < rem[i] else rem[i]
+                    c = min_chunk if min_chunk < rem[i] else rem[i]  # progress guarantee
                 planned[best] += _plan_work(P, c, pref[i])
                 local[best] += _local_work(P, c, pref[i])
                 tokens[best] += c
-                queued -= _plan_work(P, rem[i], pref[i])
+                if h >= 0:
+                    queued -= _plan_work(P, rem[i], pref[i])
+                    size = _pop(heap, size, key)
+                else:
+                    ran[best] = True
                 rem[i] -= c
                 pref[i] += c
-                size = _pop(heap, size, key)
                 if rem[i] == 0:
                     done[ndone] = i
                     ndone += 1
+                    if h < 0:
+                        partial[base + best] = -1
                 else:
                     partial[base + best] = i
                     is_open[best] = False
@@ -276,6 +284,76 @@ def _ideal_kernel(arrival, rem0, prefix0, key, num_engines, ranks, P, finish):
     return steps, busy
 
 
+@jit
+def _alone_kernel(rem0, prefix0, ranks, P, out):
+    a = P[_A]
+    min_chunk = np.int64(P[_MIN_CHUNK])
+    for i in range(rem0.shape[0]):
+        rem = rem0[i]
+        pref = prefix0[i]
+        t = 0.0
+        while rem > 0:
+            c = _fit_chunk(P, P[_BUDGET] - a, rem, pref)
+            if c == 0:
+                c = min_chunk if min_chunk < rem else rem
+            t += a + _local_work(P, c, pref) + P[_MOE] * c / ranks
+            rem -= c
+            pref += c
+        out[i] = t
+
+
+def _params(cost: Any, budget_s: Any, min_chunk: Any, align: Any) -> np.ndarray:
+    if not isinstance(cost, QuadraticCost):
+        raise TypeError(f"cost: must be a QuadraticCost, got {type(cost).__name__}")
+    budget = check_real(budget_s, "budget_s", min_value=0.0, strict_min=True)
+    min_chunk = check_int(min_chunk, "min_chunk", min_value=1)
+    align = check_int(align, "align", min_value=1)
+    moe = float(getattr(cost, "b_moe", 0.0)) * float(getattr(cost, "moe_lb", 1.0))
+    P = np.zeros(_N_PARAMS)
+    P[_A], P[_B_LOCAL], P[_K], P[_Q], P[_GAMMA] = cost.a, cost.b, cost.k, cost.q, cost.gamma
+    P[_B_PLAN] = cost.b + moe
+    P[_MOE] = moe
+    P[_BUDGET], P[_MIN_CHUNK], P[_ALIGN] = budget, min_chunk, align
+    return P
+
+
+def alone_s(
+    trace: Trace,
+    /,
+    *,
+    ranks_per_engine: int = 8,
+    cost: QuadraticCost,
+    budget_s: float = 1.0,
+    min_chunk: int = 1,
+    align: int = 1,
+) -> np.ndarray:
+    """Each request's prefill time alone on an idle engine (the SLO's slowdown denominator).
+
+    The request runs on one rank under the per-GPU plan (a chunk per step that fits the budget),
+    each step costing ``a + local + b_moe * moe_lb * c / R`` (its routed-expert work spread over
+    the engine's ``R`` ranks); the cached prefix is ``trace.cached_tokens``.
+
+    Returns
+    -------
+    ndarray of float64, shape (n,)
+        Seconds.
+
+    Examples
+    --------
+    >>> from lbkit.core import PRESETS
+    >>> t = Trace(arrival_s=[0.0, 1.0], total_tokens=[100, 300], output_tokens=[1, 1])
+    >>> alone_s(t, ranks_per_engine=2, cost=PRESETS["unit"].prefill, budget_s=1000.0).tolist()
+    [106.0, 346.0]
+    """
+    r = check_int(ranks_per_engine, "ranks_per_engine", min_value=1)
+    P = _params(cost, budget_s, min_chunk, align)
+    cached = np.ascontiguousarray(trace.cached_tokens, dtype=np.int64)
+    rem = np.ascontiguousarray(trace.total_tokens, dtype=np.int64) - cached
+    out = np.zeros(len(trace))
+    _alone_kernel(rem, cached, r, P, out)
+    return out
+
+
 def simulate_ideal_prefill(
     trace: Trace,
     /,
@@ -287,7 +365,7 @@ def simulate_ideal_prefill(
     min_chunk: int = 1,
     align: int = 1,
     deadline_s: np.ndarray | None = None,
-    level: bool = True,
+    level: bool = False,
 ) -> IdealRun:
     """Replay ``trace`` through the prefill pool under ideal late binding (see module docstring).
 
@@ -306,7 +384,7 @@ def simulate_ideal_prefill(
     deadline_s : array_like, shape (n,), optional
         SLO deadline of each request (absolute seconds); the central queue is served earliest
         deadline first. Default: arrival order.
-    level : bool, default True
+    level : bool, default False
         Engines take only their share of the queued work per step (see the module docstring).
 
     Returns
@@ -324,17 +402,7 @@ def simulate_ideal_prefill(
     """
     e = check_int(num_engines, "num_engines", min_value=1)
     r = check_int(ranks_per_engine, "ranks_per_engine", min_value=1)
-    if not isinstance(cost, QuadraticCost):
-        raise TypeError(f"cost: must be a QuadraticCost, got {type(cost).__name__}")
-    budget = check_real(budget_s, "budget_s", min_value=0.0, strict_min=True)
-    min_chunk = check_int(min_chunk, "min_chunk", min_value=1)
-    align = check_int(align, "align", min_value=1)
-    moe = float(getattr(cost, "b_moe", 0.0)) * float(getattr(cost, "moe_lb", 1.0))
-    P = np.zeros(_N_PARAMS)
-    P[_A], P[_B_LOCAL], P[_K], P[_Q], P[_GAMMA] = cost.a, cost.b, cost.k, cost.q, cost.gamma
-    P[_B_PLAN] = cost.b + moe
-    P[_MOE] = moe
-    P[_BUDGET], P[_MIN_CHUNK], P[_ALIGN] = budget, min_chunk, align
+    P = _params(cost, budget_s, min_chunk, align)
     P[_LEVEL] = 1.0 if level else 0.0
     n = len(trace)
     finish = np.full(n, np.nan)
