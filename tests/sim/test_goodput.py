@@ -90,7 +90,7 @@ def test_rate_and_scaling():
 
 
 # ------------------------------------------------------------------ the ideal reference
-def _model_ideal(trace, engines, ranks, cost, budget, deadline=None):
+def _model_ideal(trace, engines, ranks, cost, budget, deadline=None, level=False):
     """Plain-Python model of the ideal late-binding pool (module docstring of lbkit.sim.ideal),
     without the kernel's data structures: the queue is a sorted list, the level share recomputed
     from the queue at each step start."""
@@ -142,7 +142,9 @@ def _model_ideal(trace, engines, ranks, cost, budget, deadline=None):
                 best = min(cands, key=lambda r: (planned[r], r))
                 p = -1 if ran[best] else partial[e][best]
                 h = -1
-                if queue and (planned[best] == cost.a or planned[best] - cost.a < share):
+                if queue and (
+                    not level or planned[best] == cost.a or planned[best] - cost.a < share
+                ):
                     h = queue[0]
                 room = budget - planned[best]
                 if (
@@ -186,8 +188,8 @@ def _model_ideal(trace, engines, ranks, cost, budget, deadline=None):
 
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10_000), engines=st.integers(1, 3), ranks=st.integers(1, 3),
-       edf=st.booleans())  # fmt: skip
-def test_ideal_kernel_matches_model(seed, engines, ranks, edf):
+       edf=st.booleans(), level=st.booleans())  # fmt: skip
+def test_ideal_kernel_matches_model(seed, engines, ranks, edf, level):
     rng = np.random.default_rng(seed)
     n = int(rng.integers(1, 14))
     arrival = np.sort(rng.integers(0, 40, n)).astype(float) * 50.0
@@ -197,8 +199,8 @@ def test_ideal_kernel_matches_model(seed, engines, ranks, edf):
               cached_tokens=cached)  # fmt: skip
     deadline = arrival + rng.uniform(0, 3000, n) if edf else None
     run = simulate_ideal_prefill(t, num_engines=engines, ranks_per_engine=ranks, cost=UNIT,
-                                 budget_s=1500.0, deadline_s=deadline)  # fmt: skip
-    want = _model_ideal(t, engines, ranks, UNIT, 1500.0, deadline)
+                                 budget_s=1500.0, deadline_s=deadline, level=level)  # fmt: skip
+    want = _model_ideal(t, engines, ranks, UNIT, 1500.0, deadline, level)
     np.testing.assert_allclose(run.finish_s, want, rtol=1e-12)
     assert np.isfinite(run.finish_s).all()  # nothing refused, nothing lost
     assert (run.ttft_s >= alone_s(t, ranks_per_engine=ranks, cost=UNIT, budget_s=1500.0)
