@@ -383,6 +383,34 @@ def _bucket_table(pre: dict[str, dict[str, Any]]) -> None:
     )
 
 
+def _goodput_table(r: dict[str, Any]) -> None:
+    """The headline: goodput at SLO per policy, with the ideal reference and the best peer."""
+    g = r["goodput"]
+    slo = g["slo"]
+    ideal = g["ideal"]
+    rows = {name: dict(row) for name, row in g["goodput"].items()}
+    best = g.get("best_peer_requests_per_s")
+    _table(
+        f"Goodput at SLO (requests/s at which {slo['attainment']:.0%} of requests meet TTFT <= "
+        f"max({slo['ttft_s']:g} s, {slo['ttft_slowdown']:g} x prefill alone) and TPOT <= "
+        f"{slo['tpot_s'] * 1e3:g} ms; cache {g['cache']}; ideal = late binding, "
+        f"{ideal['requests_per_s']:.3f} requests/s; best peer "
+        + ("-" if best is None else f"{best:.3f}")
+        + "; latencies at each policy's goodput)",
+        rows,
+        [
+            ("requests_per_s", "goodput", "r", "max"),
+            ("vs_ideal", "vs ideal", "r", "max"),
+            ("vs_best_peer", "vs best peer", "r", "max"),
+            ("ttft_p50_s", "TTFT p50", "s", ""),
+            ("ttft_p99_s", "TTFT p99", "s", ""),
+            ("tpot_p99_s", "TPOT p99 ms", "ms", ""),
+            ("cached_share", "cached", "r", ""),
+        ],
+        [("ideal", ideal)],
+    )
+
+
 def _print_report(r: dict[str, Any], wall: float) -> None:
     w, o = r["workload"], r["options"]
     print(

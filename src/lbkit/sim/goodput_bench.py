@@ -39,10 +39,14 @@ from lbkit.sim.traces import Trace
 
 __all__ = [
     "CACHE_MODES",
+    "PEER_NAMES",
     "PolicyGoodput",
+    "best_of",
+    "goodput_row",
     "ideal_goodput",
     "prefill_goodput",
     "prepare_cache",
+    "run_goodput",
 ]
 
 #: Prefix-cache modes of the prefill pool (``lbkit bench --cache``).
@@ -332,3 +336,86 @@ def best_of(rows: dict[str, PolicyGoodput], names: Sequence[str]) -> float | Non
     """Highest goodput among ``names`` present in ``rows`` (``None`` if none is)."""
     rates = [rows[n].search.requests_per_s for n in names if n in rows]
     return max(rates) if rates else None
+
+
+#: The peers' routing rules of SPEC section 8 (``vs_best_peer`` compares with the best of them).
+PEER_NAMES = (
+    "vllm",
+    "vllm_kv",
+    "sglang_total_tokens",
+    "sglang_shortest_queue",
+    "sglang_cache_aware",
+    "dynamo",
+    "llm_d",
+)
+
+
+def run_goodput(
+    trace: Trace,
+    /,
+    *,
+    policies: Sequence[str],
+    cost: CostPreset,
+    cache: str = "global",
+    num_engines: int = 8,
+    ranks_per_engine: int = 8,
+    decode_engines: int = 1,
+    decode_ranks: int = 64,
+    slo: Slo = DEFAULT_SLO,
+    rel_tol: float = 0.01,
+    budget_s: float = 1.0,
+    seed: int = 0,
+    rank_cache: Callable[[Trace], Any] | None = None,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> dict[str, Any]:
+    """Goodput of the ideal reference and of every prefill policy in ``policies`` on ``trace``.
+
+    ``trace`` is prepared by :func:`prepare_cache` for ``cache``. Each policy's search starts
+    at the ideal's goodput. Returns the JSON sections of SPEC section 10: ``{"goodput":
+    {POLICY: row}, "ideal": {...}, "slo": {...}, "cache": cache}`` with rows as
+    :func:`goodput_row` makes them (each with its ``curve`` of (rate, attainment) points).
+    """
+    kw: dict[str, Any] = dict(
+        cost=cost,
+        num_engines=num_engines,
+        ranks_per_engine=ranks_per_engine,
+        decode_engines=decode_engines,
+        decode_ranks=decode_ranks,
+        slo=slo,
+        rel_tol=rel_tol,
+        budget_s=budget_s,
+        seed=seed,
+    )
+    names = list(policies)
+    total = len(names) + 1
+    if progress is not None:
+        progress("goodput ideal", 0, total)
+    ideal = ideal_goodput(trace, start_rate=_start_rate(trace, cost, num_engines * ranks_per_engine,
+                                                        budget_s), **kw)  # fmt: skip
+    ref = ideal.search.requests_per_s
+    results: dict[str, PolicyGoodput] = {}
+    for j, name in enumerate(names):
+        if progress is not None:
+            progress(f"goodput {name}", j + 1, total)
+        results[name] = prefill_goodput(
+            trace, name, cache=cache, rank_cache=rank_cache, start_rate=ref or 1.0, **kw
+        )
+    best_peer = best_of(results, PEER_NAMES)
+    rows = {n: goodput_row(g, ideal=ref, best_peer=best_peer) for n, g in results.items()}
+    ideal_row = goodput_row(ideal, ideal=ref, best_peer=best_peer)
+    return {
+        "goodput": rows,
+        "ideal": ideal_row,
+        "best_peer_requests_per_s": best_peer,
+        "slo": slo.as_dict(),
+        "cache": cache,
+    }
+
+
+def _start_rate(trace: Trace, cost: CostPreset, num_ranks: int, budget_s: float) -> float:
+    # The rate at which the trace's prefill work would fill half the pool: a first guess.
+    from lbkit.sim.engine import utilization_factor
+
+    factor = utilization_factor(trace, 0.5, num_ranks=num_ranks, cost=cost.prefill)
+    span = float(trace.arrival_s[-1] - trace.arrival_s[0]) * factor
+    return (len(trace) - 1) / span if span > 0 else 1.0
