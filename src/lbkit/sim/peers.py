@@ -280,7 +280,8 @@ class SglangCacheAware(PeerPolicy):
     holding it wins, else the least loaded one. Either way the prompt is then inserted in the
     chosen worker's tree. Every 120 s a background task evicts each worker's least recently
     used leaves down to ``max_tree_size`` (2**26 characters). Least loaded ties go to the first
-    worker (Rust ``min_by_key``).
+    worker (Rust ``min_by_key``). The defaults (0.3, 64, 1.5, 120 s, 2**26) are the router's
+    launch arguments (``RouterArgs`` of the ``sglang_router`` Python package).
 
     Modelled with 512-token blocks (``view.block_hashes``) instead of characters: the match
     rate is ``min(matched_blocks * block_tokens, total_tokens) / total_tokens``, and the tree
