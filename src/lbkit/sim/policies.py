@@ -62,6 +62,7 @@ from lbkit.core.validation import as_rng
 from lbkit.prefill.balancer import PrefillBalancer
 from lbkit.prefill.buckets import DEFAULT_EDGES
 from lbkit.sim._kernels import EV_FINISH, EV_MOVE, EV_PROGRESS
+from lbkit.sim.peers import PEER_POLICIES
 
 __all__ = [
     "DEFAULT_PREFILL_POLICY",
@@ -316,6 +317,7 @@ PREFILL_POLICIES: Mapping[str, Callable[..., Any]] = MappingProxyType(
         "least_requests": LeastRequests,
         "least_tokens": LeastTokens,
         "power_of_two": PowerOfTwo,
+        **PEER_POLICIES,
         "lbkit_nobuckets": _lbkit_nobuckets,
         "lbkit": _lbkit,
     }
