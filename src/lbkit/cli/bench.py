@@ -59,14 +59,14 @@ def add_parser(sub: Any) -> None:
         help="seed of the built-in workload and of randomised policies (default 0)",
     )
     p.add_argument(
-        "--prefill-engines", type=int, default=16, metavar="E", help="prefill engines (default 16)"
+        "--prefill-engines", type=int, default=8, metavar="E", help="prefill engines (default 8)"
     )
     p.add_argument(
         "--ranks-per-engine",
         type=int,
-        default=4,
+        default=8,
         metavar="R",
-        help="DP ranks per prefill engine (default 4)",
+        help="DP ranks per prefill engine (default 8)",
     )
     p.add_argument(
         "--decode-engines", type=int, default=1, metavar="E", help="decode engines (default 1)"
@@ -162,6 +162,50 @@ def add_parser(sub: Any) -> None:
         help=f"KV cache bytes per token for --migration-gbps (default {KV_BYTES_PER_TOKEN:,}: "
         "DeepSeek-V3's MLA cache in BF16, 61 layers x 576 values x 2 bytes)",
     )
+    p.add_argument(
+        "--cache",
+        choices=("none", "global", "local"),
+        default="local",
+        help="prefix caches of the prefill pool, driven by the trace's block hashes: local (each "
+        "rank its own LRU cache of 512-token blocks sized from its KV memory, the common vLLM "
+        "and SGLang deployment; the default), global (one cache shared by every rank, "
+        "DeepSeek's design) or none",
+    )
+    p.add_argument(
+        "--slo-ttft",
+        type=float,
+        default=2.0,
+        metavar="S",
+        help="SLO: a request's TTFT may be S seconds (default 2) ...",
+    )
+    p.add_argument(
+        "--slo-ttft-slowdown",
+        type=float,
+        default=4.0,
+        metavar="X",
+        help="... or X times its prefill time alone on an idle rank, whichever is larger "
+        "(default 4)",
+    )
+    p.add_argument(
+        "--slo-tpot",
+        type=float,
+        default=0.05,
+        metavar="S",
+        help="SLO: time per output token after the first, seconds (default 0.05)",
+    )
+    p.add_argument(
+        "--attainment",
+        type=float,
+        default=0.99,
+        metavar="A",
+        help="goodput is the highest arrival rate at which a share A of requests meets its SLO "
+        "(default 0.99)",
+    )
+    p.add_argument(
+        "--no-goodput",
+        action="store_true",
+        help="skip the goodput search (the diagnostics at --utilization only)",
+    )
     p.add_argument("--no-eplb", action="store_true", help="skip the EPLB comparison")
     p.add_argument(
         "--json",
@@ -242,6 +286,16 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(
             f"--migration-gbps: must be a finite number > 0, got {args.migration_gbps}"
         )
+    for opt in ("slo_ttft", "slo_tpot"):
+        v = getattr(args, opt)
+        if not (v > 0 and math.isfinite(v)):
+            raise ValueError(f"--{opt.replace('_', '-')}: must be a finite number > 0, got {v}")
+    if not (args.slo_ttft_slowdown >= 0 and math.isfinite(args.slo_ttft_slowdown)):
+        raise ValueError(
+            f"--slo-ttft-slowdown: must be a finite number >= 0, got {args.slo_ttft_slowdown}"
+        )
+    if not (0 < args.attainment <= 1):
+        raise ValueError(f"--attainment: must be in (0, 1], got {args.attainment}")
     if args.kv_bytes_per_token < 1:
         raise ValueError(f"--kv-bytes-per-token: must be >= 1, got {args.kv_bytes_per_token}")
 
