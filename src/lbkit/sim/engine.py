@@ -894,8 +894,8 @@ def simulate_decode(
                     D[K.D_STOP] = 1.0
                 else:
                     observe(ev, now_s=now, view=view)
-                if queue and not back.all():
-                    _offer(now)
+                if queue and not complete and D[K.D_STOP] > 0 and ev[-1] >= 0:
+                    _offer(now)  # the kernel stopped at a step end where requests finished
             if complete:
                 return
 
