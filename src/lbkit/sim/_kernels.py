@@ -929,8 +929,9 @@ def decode_advance(t_until, DI, DF, DK, DE, ACT, D, ACC, BINS, EVR):
     then the lowest engine): a request migrated to another engine leaves its step's end for
     that engine's transit list, which may start the engine's next step. Events ``EVR[:events]``
     are finished requests ``i`` and preempted ones ``-1 - i``. The flag is 0 when the call
-    returns early: the event buffer is full, or ``D[D_STOP] > 0`` and a step end at ``time``
-    finished requests (the caller offers its wait queue, then calls again).
+    returns early: the event buffer is full, a step start at ``time`` preempted requests, or
+    ``D[D_STOP] > 0`` and a step end at ``time`` finished requests (the caller offers its
+    wait queue, then calls again).
     """
     nev = 0
     cap = EVR.shape[0]
@@ -964,8 +965,11 @@ def decode_advance(t_until, DI, DF, DK, DE, ACT, D, ACC, BINS, EVR):
             if D[D_CAP] < np.inf and nev + n > cap:  # room for every preemption
                 return nev, 0, last_t
             DE[DE_READY, best] = best_t
+            before = nev
             nev = _decode_start(best, DI, DF, DK, DE, ACT, D, ACC, BINS, EVR, nev)
             last_t = best_t
+            if nev > before:  # preempted: the caller queues them before any later offer
+                return nev, 0, last_t
 
 
 def warmup() -> None:

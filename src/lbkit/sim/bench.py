@@ -27,7 +27,6 @@ from lbkit.sim import _kernels as K
 from lbkit.sim._kernels import warmup as _warmup
 from lbkit.sim.engine import (
     DECODE_KV_CAPACITY_TOKENS,
-    DECODE_KV_WATERMARK_TOKENS,
     SHARING,
     DecodeRun,
     PrefillRun,
