@@ -279,3 +279,23 @@ print(json.dumps([r.finish_s.tolist(), r.wait_s.tolist(), r.preemptions, r.step_
     assert np.array_equal(np.array(plain[0], float), np.array(compiled[0], float), equal_nan=True)
     assert plain[1] == compiled[1] and max(plain[1]) > 0
     assert math.isfinite(plain[3])
+
+
+def test_a_batch_beyond_the_capacity_calibrates_to_the_capacity_bound():
+    """Requests of ~17k tokens on ranks of 40k: at most a few run per rank whatever the arrival
+    rate; the calibration terminates below the target and the bench says so."""
+    from lbkit.sim.bench import OCCUPANCY_RANGE, run_decode_bench, scale_to_decode_batch
+    from lbkit.sim.workload import default_workload
+
+    t = default_workload(num_requests=120, rng=2)
+    _, _, batch = scale_to_decode_batch(t, 20.0, ranks_per_engine=4, cost=H800.decode,
+                                        max_kv_tokens=40_000, iterations=2)  # fmt: skip
+    assert 0.0 < batch < 20.0 * 0.5
+    rep = run_decode_bench(t, batch_per_rank=20.0, decode_ranks=4, decode_policies=["least_kv"],
+                           max_kv_tokens=40_000)  # fmt: skip
+    m = rep["decode"]["least_kv"]
+    assert rep["workload"]["capacity_bound"] and rep["options"]["kv_capacity_tokens"] == 40_000
+    assert m["mean_running_per_rank"] == m["window"]["batch_per_rank_mean"]
+    lo, hi = OCCUPANCY_RANGE
+    assert m["meaningful"] == (lo <= m["mean_running_per_rank"] <= hi) and not rep["meaningful"]
+    assert m["waited"] > 0 and m["finished"] + m["refused"] == m["arrived"]
