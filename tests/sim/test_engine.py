@@ -91,14 +91,16 @@ def test_conservation_and_work_conservation(horizon):
         assert dec.tokens_generated == int((t.output_tokens[fin] - 1).sum())
 
 
-def test_decode_capacity_refuses_with_count():
+def test_decode_capacity_makes_requests_wait():
     t = Trace(arrival_s=[0.0, 0.0, 0.0], total_tokens=[10, 10, 10], output_tokens=[50, 50, 50])
     run = simulate_prefill(t, "round_robin", num_engines=1, ranks_per_engine=3,
                            cost=UNIT.prefill, budget_s=1000.0)  # fmt: skip
     dec = simulate_decode(run, "least_requests", num_engines=1, ranks_per_engine=2,
                           cost=UNIT.decode, max_batch=1)  # fmt: skip
     m = decode_metrics(dec)
-    assert (m["finished"], m["refused"]) == (2, 1)
+    assert (m["finished"], m["refused"]) == (3, 0)
+    # the third waits for the first rank to free: it starts when request 0 finishes
+    assert dec.wait_s[2] == dec.finish_s[0] - dec.handover_s[2] > 0
 
 
 def test_determinism_same_inputs_same_results():

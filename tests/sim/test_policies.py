@@ -89,8 +89,8 @@ def test_decode_policies_respect_capacity(name, prefill_runs):
     dec = simulate_decode(prefill_runs["least_tokens"], name, num_engines=1, ranks_per_engine=2,
                           cost=H800.decode, max_batch=2, rng=0)  # fmt: skip
     m = decode_metrics(dec)
-    assert m["refused"] > 0
-    assert m["arrived"] == m["finished"] + m["refused"] + m["in_flight"]
+    assert m["refused"] == 0 and m["finished"] == m["arrived"]
+    assert dec.wait_s.max() > 0  # back-pressure: requests waited for a batch slot
 
 
 def test_lbkit_decode_ledger_matches_the_pool():

@@ -34,6 +34,10 @@ then waits in its new engine's transit list (``DE_THEAD``, linked by ``DI_NEXT``
 ``DI_POS == -2``) until ``DF_READY`` and joins the first step that starts after that. From the
 move on it counts on its new rank (``DK_B``, ``DK_S``: memory is reserved there) and in
 ``DK_TB``, ``DK_TS``, which step times and KV growth leave out.
+Every rank of an engine also pays the shared MoE term ``D_MOE * sum_r B_r / R`` (active
+requests). With a KV capacity (``D_CAP < inf``) a step starts only when every rank's KV plus
+its growth (one token per active request) fits: otherwise the rank's newest requests
+(``DI_SEQ``) are preempted (event ``-1 - i``) and the caller queues them again.
 """
 
 from __future__ import annotations
@@ -83,7 +87,9 @@ EV_FINISH, EV_PROGRESS, EV_MOVE = 0, 1, 2
 
 # ---------------------------------------------------------------- decode layout
 DI_RANK, DI_LEFT, DI_KV, DI_NEXT, DI_POS = 0, 1, 2, 3, 4
-N_DI = 5
+#: ``DI_SEQ``: admission order (the newest request of a rank is preempted first).
+DI_SEQ = 5
+N_DI = 6
 DF_JOIN, DF_FINISH, DF_READY = 0, 1, 2
 N_DF = 3
 DK_B, DK_S, DK_PB, DK_PS, DK_TB, DK_TS = 0, 1, 2, 3, 4, 5
@@ -92,7 +98,11 @@ DE_END, DE_READY, DE_NACT, DE_PHEAD, DE_PTAIL, DE_STEPS, DE_THEAD = 0, 1, 2, 3, 
 N_DE = 7
 D_A, D_B, D_K, D_MAX, D_RANKS, D_BIN_S, D_W0, D_W1 = 0, 1, 2, 3, 4, 5, 6, 7
 D_MIG_LAT, D_MIG_TOKEN = 8, 9
-N_D = 10
+#: ``D_CAP``: per-rank KV capacity (``inf``: none); ``D_STOP`` > 0: return after a step end
+#: where requests finished (the wait queue is offered then); ``D_MOE``: shared MoE seconds per
+#: token of the engine, ``b_moe * moe_lb``.
+D_CAP, D_STOP, D_MOE = 10, 11, 12
+N_D = 13
 #: ``DI_POS`` of a request in transit (migrated, not decoding until ``DF_READY``).
 POS_TRANSIT = -2
 DACC_MEAN, DACC_MAX, DACC_TIME, DACC_BIMB, DACC_SIMB, DACC_STEPS, DACC_TOKENS = range(7)
@@ -598,16 +608,48 @@ def prefill_advance(t_until, RI, RF, KI, KF, EF, EI, P, ACC, BINS, KS, EVR, EVK,
 
 # ---------------------------------------------------------------- decode
 @jit
-def _rank_time(D, b, s):
+def _rank_time(D, b, s, shared):
+    """Rank time of ``b`` requests holding ``s`` KV tokens plus the engine's ``shared`` MoE
+    seconds (``b_moe * moe_lb * sum_r B_r / R``, paid by every rank of the engine)."""
     if D[D_MAX] > 0.0:
         x = D[D_B] * b
         y = D[D_K] * s
-        return D[D_A] + (x if x > y else y)
-    return D[D_A] + D[D_B] * b + D[D_K] * s
+        t = D[D_A] + (x if x > y else y)
+    else:
+        t = D[D_A] + D[D_B] * b + D[D_K] * s
+    if shared > 0.0:
+        t += shared
+    return t
 
 
 @jit
-def _decode_start(e, DI, DF, DK, DE, ACT, D, ACC, BINS):
+def _preempt(e, f, t, DI, DF, DK, DE, ACT, EVR, nev):
+    """Preempt the newest active request of rank ``f`` (engine ``e``, between steps) at ``t``:
+    it leaves the active set and frees its KV; ``EVR`` gets ``-1 - i`` and ``DF_JOIN`` the
+    time. Returns the new event count."""
+    nact = np.int64(DE[DE_NACT, e])
+    best = np.int64(-1)
+    for k in range(nact):
+        i = ACT[e, k]
+        if DI[DI_RANK, i] == f and (best < 0 or DI[DI_SEQ, i] > DI[DI_SEQ, ACT[e, best]]):
+            best = k
+    i = ACT[e, best]
+    nact -= 1
+    last = ACT[e, nact]
+    ACT[e, best] = last
+    DI[DI_POS, last] = best
+    DE[DE_NACT, e] = nact
+    DI[DI_POS, i] = -1
+    DI[DI_RANK, i] = -1
+    DF[DF_JOIN, i] = t
+    DK[DK_B, f] -= 1
+    DK[DK_S, f] -= DI[DI_KV, i]
+    EVR[nev] = -1 - i
+    return nev + 1
+
+
+@jit
+def _decode_start(e, DI, DF, DK, DE, ACT, D, ACC, BINS, EVR, nev):
     ranks = np.int64(D[D_RANKS])
     # pending requests join
     i = np.int64(DE[DE_PHEAD, e])
@@ -644,6 +686,18 @@ def _decode_start(e, DI, DF, DK, DE, ACT, D, ACC, BINS):
             prev = i
         i = nxt
     DE[DE_NACT, e] = nact
+    # KV capacity: the step's growth (one token per active request) must fit every rank
+    cap = D[D_CAP]
+    if cap < np.inf:
+        for f in range(e * ranks, (e + 1) * ranks):
+            while DK[DK_B, f] > DK[DK_TB, f] and DK[DK_S, f] + DK[DK_B, f] - DK[DK_TB, f] > cap:
+                nev = _preempt(e, f, start, DI, DF, DK, DE, ACT, EVR, nev)
+                D[D_STOP] = 1.0
+    shared = 0.0
+    if D[D_MOE] > 0.0:
+        for f in range(e * ranks, (e + 1) * ranks):
+            shared += DK[DK_B, f] - DK[DK_TB, f]
+        shared = D[D_MOE] * shared / ranks
     longest = 0.0
     total = 0.0
     bmax = 0.0
@@ -655,7 +709,7 @@ def _decode_start(e, DI, DF, DK, DE, ACT, D, ACC, BINS):
         DK[DK_PS, f] = 0
         b = DK[DK_B, f] - DK[DK_TB, f]
         s = DK[DK_S, f] - DK[DK_TS, f]
-        t = _rank_time(D, b, s)
+        t = _rank_time(D, b, s, shared)
         total += t
         if t > longest:
             longest = t
@@ -689,6 +743,7 @@ def _decode_start(e, DI, DF, DK, DE, ACT, D, ACC, BINS):
         j = BINS.shape[1] - 1
     BINS[DBIN_MEAN, j] += mean
     BINS[DBIN_MAX, j] += longest
+    return nev
 
 
 @jit
@@ -739,9 +794,11 @@ def _decode_end(e, DI, DF, DK, DE, ACT, D, EVR, nev):
 
 
 @jit
-def decode_admit(i, f, t, DI, DF, DK, DE, D):
-    """Admit request ``i`` to flat rank ``f`` at time ``t``; it joins the engine's next step."""
+def decode_admit(i, f, t, seq, DI, DF, DK, DE, D):
+    """Admit request ``i`` to flat rank ``f`` at time ``t`` (``seq``: admission order); it joins
+    the engine's next step."""
     DI[DI_RANK, i] = f
+    DI[DI_SEQ, i] = seq
     DF[DF_JOIN, i] = t
     kv = DI[DI_KV, i]
     DK[DK_B, f] += 1
@@ -866,15 +923,21 @@ def _next_start(e, DI, DF, DE):
 
 @jit
 def decode_advance(t_until, DI, DF, DK, DE, ACT, D, ACC, BINS, EVR):
-    """Run the decode engines' steps up to ``t_until``; return (events, finished flag).
+    """Run the decode engines' steps up to ``t_until``; return (events, finished flag, time).
 
     Step ends and starts of all engines are taken in time order (at equal times ends first,
     then the lowest engine): a request migrated to another engine leaves its step's end for
-    that engine's transit list, which may start the engine's next step.
+    that engine's transit list, which may start the engine's next step. Events ``EVR[:events]``
+    are finished requests ``i`` and preempted ones ``-1 - i``. The flag is 0 when the call
+    returns early: the event buffer is full, a step start at ``time`` preempted requests, or
+    ``D[D_STOP] > 0`` and a step end at ``time`` finished requests (the caller offers its
+    wait queue, then calls again).
     """
     nev = 0
     cap = EVR.shape[0]
     engines = DE.shape[1]
+    n = DI.shape[1]
+    last_t = -np.inf
     while True:
         best = -1
         best_t = np.inf
@@ -889,14 +952,24 @@ def decode_advance(t_until, DI, DF, DK, DE, ACT, D, ACC, BINS, EVR):
                 if te < t_until and te < best_t:
                     best, best_t, best_end = e, te, False
         if best < 0:
-            return nev, 1
+            return nev, 1, last_t
         if best_end:
             if nev + DE[DE_NACT, best] > cap:
-                return nev, 0
+                return nev, 0, last_t
+            before = nev
             nev = _decode_end(best, DI, DF, DK, DE, ACT, D, EVR, nev)
+            last_t = best_t
+            if nev > before and D[D_STOP] > 0.0:
+                return nev, 0, last_t
         else:
+            if D[D_CAP] < np.inf and nev + n > cap:  # room for every preemption
+                return nev, 0, last_t
             DE[DE_READY, best] = best_t
-            _decode_start(best, DI, DF, DK, DE, ACT, D, ACC, BINS)
+            before = nev
+            nev = _decode_start(best, DI, DF, DK, DE, ACT, D, ACC, BINS, EVR, nev)
+            last_t = best_t
+            if nev > before:  # preempted: the caller queues them before any later offer
+                return nev, 0, last_t
 
 
 def warmup() -> None:
@@ -918,5 +991,6 @@ def warmup() -> None:
     D = np.full(N_D, 2.0)
     D[D_MIG_LAT] = 0.0
     D[D_MIG_TOKEN] = 0.0
+    D[D_CAP] = np.inf
     DE = np.zeros((N_DE, 1))
     decode_migrate(0, 1, 0.0, DI, np.zeros((N_DF, 1)), DK, DE, np.zeros((1, 1), np.int64), D)

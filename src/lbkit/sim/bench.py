@@ -26,6 +26,7 @@ from lbkit.prefill.buckets import DEFAULT_EDGES
 from lbkit.sim import _kernels as K
 from lbkit.sim._kernels import warmup as _warmup
 from lbkit.sim.engine import (
+    DECODE_KV_CAPACITY_TOKENS,
     SHARING,
     DecodeRun,
     PrefillRun,
@@ -44,6 +45,7 @@ from lbkit.sim.traces import Trace, _detect_format, load_trace
 
 __all__ = [
     "EPLB_EXAMPLE",
+    "OCCUPANCY_RANGE",
     "BenchResult",
     "load_bench_trace",
     "run_bench",
@@ -308,6 +310,8 @@ def scale_to_decode_batch(
     ranks_per_engine: int = 64,
     cost: DecodeCost,
     iterations: int = 8,
+    max_kv_tokens: int | None = None,
+    kv_watermark_tokens: int = 0,
 ) -> tuple[Trace, float, float]:
     """Time-scale ``trace`` so a decode-only replay holds ``batch_per_rank`` requests per rank.
 
@@ -318,6 +322,14 @@ def scale_to_decode_batch(
     cost model's step time at that batch), then a bisection of ``iterations`` replays under
     ``least_requests`` on the logarithm of the scale (the batch, measured in the steady window
     of :func:`steady_window`, falls as arrivals stretch); the closest scale seen wins.
+
+    With a KV capacity (``max_kv_tokens``, ``kv_watermark_tokens`` as in
+    :func:`~lbkit.sim.engine.simulate_decode`) the running batch saturates: faster arrivals only
+    lengthen the wait queue. When halving the scale stops raising the batch by 1% below the
+    target, the target becomes 95% of the largest batch measured (the pool near its
+    capacity-bound occupancy, without an ever-growing queue) and the bisection aims at that;
+    the returned batch (below the target) tells. Every search is bounded (at most
+    ``17 + iterations`` replays).
 
     Returns
     -------
@@ -365,28 +377,40 @@ def scale_to_decode_batch(
     shifted = arrival - arrival[0]
     scaled = dataclasses.replace(trace, arrival_s=shifted * factor)
 
+    seen: dict[float, float] = {}
+
     def batch(f: float) -> float:
-        t = dataclasses.replace(trace, arrival_s=shifted * f)
-        run = simulate_decode(
-            t, "least_requests", num_engines=e, ranks_per_engine=r, cost=cost,
-            window_s=steady_window(t),
-        )  # fmt: skip
-        w = run.window_sums
-        # engine steps (summed over engines) of r ranks each
-        return float(w[K.DACC_TOKENS] / max(w[K.DACC_STEPS] * r, 1.0))
+        if f not in seen:
+            t = dataclasses.replace(trace, arrival_s=shifted * f)
+            run = simulate_decode(
+                t, "least_requests", num_engines=e, ranks_per_engine=r, cost=cost,
+                window_s=steady_window(t), max_kv_tokens=max_kv_tokens,
+                kv_watermark_tokens=kv_watermark_tokens,
+            )  # fmt: skip
+            w = run.window_sums
+            # running requests: engine steps (summed over engines) of r ranks each
+            seen[f] = float(w[K.DACC_TOKENS] / max(w[K.DACC_STEPS] * r, 1.0))
+        return seen[f]
 
     # The batch falls as arrivals stretch (larger factor); bisect on log(factor) inside a
     # bracket grown from the first guess, keeping the closest factor seen.
-    best = (abs(math.log(max(batch(factor), 1e-12) / target)), factor)
     lo, hi = factor, factor
+    prev = -math.inf
     for _ in range(8):
-        if batch(lo) >= target:
+        b = batch(lo)
+        if b >= target:
             break
+        if b < prev * SATURATED:  # capacity-bound: aim below the saturated batch
+            target = TARGET_SATURATED * max(seen.values())
+            lo = max(f for f in seen if seen[f] >= target)
+            break
+        prev = b
         lo /= 2.0
     for _ in range(8):
         if batch(hi) <= target:
             break
         hi *= 2.0
+    best = min((abs(math.log(max(b, 1e-12) / target)), f) for f, b in seen.items())
     for _ in range(iterations):
         mid = math.sqrt(lo * hi)
         b = batch(mid)
@@ -398,6 +422,16 @@ def scale_to_decode_batch(
     factor = best[1]
     scaled = dataclasses.replace(trace, arrival_s=shifted * factor)
     return scaled, factor, batch(factor)
+
+
+#: Running requests per rank where a decode comparison is meaningful (SPEC section 8).
+OCCUPANCY_RANGE = (32.0, 128.0)
+#: A calibrated batch below this share of the target counts as capacity-bound.
+CAPACITY_BOUND = 0.99
+#: Batch gain below which halving the arrival scale counts as saturated (capacity-bound).
+SATURATED = 1.01
+#: Share of the saturated batch that a capacity-bound calibration aims at.
+TARGET_SATURATED = 0.95
 
 
 def steady_window(trace: Trace, /, *, skip: float = 0.25) -> tuple[float, float]:
@@ -430,14 +464,25 @@ def run_decode_bench(
     max_migrations: int = 1,
     migration_latency_s: float = 0.0,
     migration_s_per_kv_token: float = 0.0,
+    max_kv_tokens: int | None = DECODE_KV_CAPACITY_TOKENS,
+    kv_watermark_tokens: int | None = None,
 ) -> dict[str, Any]:
     """Decode-only replay of ``trace`` loaded to ``batch_per_rank``, through every decode policy.
 
     Each request enters decode at its (time-scaled, see :func:`scale_to_decode_batch`) arrival,
     so the decode pool runs at a realistic batch whatever the prefill pool would deliver.
+    A decode comparison says something only where ranks run a realistic batch: each policy's
+    entry has ``mean_running_per_rank`` (steady window, waiting requests excluded) and
+    ``meaningful`` (``OCCUPANCY_RANGE[0] <= mean_running_per_rank <= OCCUPANCY_RANGE[1]``);
+    ``report["meaningful"]`` holds when every policy's does.
 
     Parameters
     ----------
+    max_kv_tokens : int or None, default ``DECODE_KV_CAPACITY_TOKENS``
+        Per-rank KV capacity (see :data:`~lbkit.sim.engine.DECODE_KV_CAPACITY_TOKENS` for the
+        arithmetic); requests beyond it wait (back-pressure). ``None``: unlimited.
+    kv_watermark_tokens : int, optional
+        KV tokens kept free at admission; default 1% of ``max_kv_tokens``.
     migrate_every_s : float, optional
         Also run lbkit's balancer migrating running requests (``"lbkit_migrate"``:
         :class:`~lbkit.sim.policies_decode.LbkitDecode` with ``migrate_every_s`` and
@@ -486,10 +531,15 @@ def run_decode_bench(
                 migration_s_per_kv_token, "migration_s_per_kv_token", min_value=0.0
             ),
         }
+    if max_kv_tokens is not None:
+        max_kv_tokens = check_int(max_kv_tokens, "max_kv_tokens", min_value=1)
+    if kv_watermark_tokens is None:
+        kv_watermark_tokens = 0 if max_kv_tokens is None else max_kv_tokens // 100
+    capacity = {"max_kv_tokens": max_kv_tokens, "kv_watermark_tokens": kv_watermark_tokens}
     _warmup()
     start = time.perf_counter()
     scaled, factor, measured = scale_to_decode_batch(
-        trace, batch_per_rank, num_engines=de, ranks_per_engine=dr, cost=dcost
+        trace, batch_per_rank, num_engines=de, ranks_per_engine=dr, cost=dcost, **capacity
     )
     report: dict[str, Any] = {
         "workload": {
@@ -499,9 +549,12 @@ def run_decode_bench(
             "duration_s": float(scaled.arrival_s[-1]),
             "batch_per_rank_target": float(batch_per_rank),
             "batch_per_rank_calibrated": measured,
+            # the KV capacity keeps the running batch below the target
+            "capacity_bound": bool(measured < CAPACITY_BOUND * batch_per_rank),
         },
         "options": {"decode_engines": de, "decode_ranks": dr, "cost": cost, "seed": seed,
-                    "migration": migration},
+                    "migration": migration, "kv_capacity_tokens": max_kv_tokens,
+                    "kv_watermark_tokens": kv_watermark_tokens},
         "decode": {},
     }  # fmt: skip
     timing: dict[str, Any] = {"calibration_s": time.perf_counter() - start, "decode": {}}
@@ -513,10 +566,14 @@ def run_decode_bench(
         start = time.perf_counter()
         run = simulate_decode(
             scaled, name if make is None else make(), num_engines=de, ranks_per_engine=dr,
-            cost=dcost, rng=seed, window_s=steady_window(scaled), **transfer,
+            cost=dcost, rng=seed, window_s=steady_window(scaled), **transfer, **capacity,
         )  # fmt: skip
         timing["decode"][name] = time.perf_counter() - start
-        report["decode"][name] = decode_metrics(run, total_tokens=scaled.total_tokens)
+        m = decode_metrics(run, total_tokens=scaled.total_tokens)
+        lo, hi = OCCUPANCY_RANGE
+        m["meaningful"] = bool(lo <= m["mean_running_per_rank"] <= hi)
+        report["decode"][name] = m
+    report["meaningful"] = all(m["meaningful"] for m in report["decode"].values())
     timing["requests_per_s"] = {
         f"decode/{k}": len(trace) / v if v > 0 else None for k, v in timing["decode"].items()
     }

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -44,6 +45,9 @@ from lbkit.sim import _kernels as K
 from lbkit.sim.traces import Trace
 
 __all__ = [
+    "DECODE_KV_CAPACITY_TOKENS",
+    "DECODE_KV_WATERMARK_TOKENS",
+    "REFUSALS",
     "SHARING",
     "DecodeRun",
     "DecodeView",
@@ -95,7 +99,9 @@ class DecodeView(NamedTuple):
         Decode steps each engine has completed so far (each grew every running request's KV by
         one token).
     max_batch, max_kv_tokens : int or None
-        Per-rank capacities (``None``: unlimited); a policy must not exceed them.
+        Per-rank admission limits (``None``: unlimited); a policy must not exceed them and
+        returns -1 when no rank can take the request (it then waits). ``max_kv_tokens`` is the
+        KV capacity less the watermark (see :func:`simulate_decode`).
     """
 
     num_engines: int
@@ -240,6 +246,15 @@ class DecodeRun:
         Moves of running requests the policy made (see the protocol's ``migrations``).
     migration_s : float
         Sum of their KV transfer times (requests in transit do not decode).
+    wait_s : ndarray or None
+        Seconds each request spent in the wait queue (back-pressure; preempted time included).
+    refusal : ndarray of int8 or None
+        Refusal code of each request: 0 none, else ``REFUSALS[code - 1]`` (``None``: a run
+        without codes, where ``rank == -1`` means refused).
+    preemptions : int
+        Running requests preempted back to the wait queue because KV growth filled their rank.
+    kv_capacity_tokens : int or None
+        Per-rank KV capacity of the run.
     """
 
     policy: str
@@ -266,6 +281,10 @@ class DecodeRun:
     window_sums: np.ndarray | None = None
     migrations: int = 0
     migration_s: float = 0.0
+    wait_s: np.ndarray | None = None
+    refusal: np.ndarray | None = None
+    preemptions: int = 0
+    kv_capacity_tokens: int | None = None
 
     @property
     def arrived(self) -> np.ndarray:
@@ -274,8 +293,18 @@ class DecodeRun:
 
     @property
     def refused(self) -> np.ndarray:
-        """Requests refused by the decode policy."""
+        """Requests refused: they could never fit an empty rank (see ``refusal``)."""
+        if self.refusal is not None:
+            return self.arrived & (self.refusal > 0)
         return self.arrived & (self.rank == -1)
+
+    @property
+    def refused_by_reason(self) -> dict[str, int]:
+        """Refused requests counted by reason (``REFUSALS``), reasons that occurred only."""
+        if self.refusal is None:
+            return {}
+        counts = np.bincount(self.refusal[self.arrived], minlength=len(REFUSALS) + 1)
+        return {r: int(counts[j + 1]) for j, r in enumerate(REFUSALS) if counts[j + 1]}
 
     @property
     def finished(self) -> np.ndarray:
@@ -620,6 +649,24 @@ def _decode_table():
     return DECODE_POLICIES
 
 
+#: Default per-rank KV capacity (tokens) of a decode rank: an H800 (80 GB of HBM) in a 64-rank
+#: expert-parallel engine serving DeepSeek-V3 in FP8. Routed experts: 58 MoE layers x 256
+#: experts x 3 x 7168 x 2048 = 653.9e9 parameters, 10.22 GB per rank; the other ~17e9
+#: parameters (MLA, dense layers, shared experts, embeddings) are replicated on every rank under
+#: data-parallel attention, 17 GB; activations, CUDA graphs and all-to-all buffers take about
+#: 10% of HBM, 8 GB. KV budget 80 - 10.22 - 17 - 8 = 44.78 GB, over 70,272 bytes per token
+#: (61 layers x (512 + 64) values x 2 bytes, MLA in BF16): 637,276 tokens.
+DECODE_KV_CAPACITY_TOKENS = 637_276
+#: Default watermark of the decode-only bench: 1% of the capacity kept free at admission
+#: (vLLM's block-manager watermark) so that running requests can grow before a preemption.
+DECODE_KV_WATERMARK_TOKENS = DECODE_KV_CAPACITY_TOKENS // 100
+#: Why a decode request was refused (``DecodeRun.refusal`` is 1 + the index): its prompt
+#: exceeds the admission limit of an empty rank, or its prompt plus output exceeds the capacity
+#: (vLLM checks ``prompt + max_tokens <= max_model_len`` likewise), or the policy refused it
+#: while the pool was empty.
+REFUSALS = ("too_long", "outgrows", "policy")
+
+
 # ------------------------------------------------------------------------ decode
 def simulate_decode(
     prefill: PrefillRun | Trace,
@@ -631,6 +678,7 @@ def simulate_decode(
     cost: DecodeCost,
     max_batch: int | None = None,
     max_kv_tokens: int | None = None,
+    kv_watermark_tokens: int = 0,
     horizon_s: float | None = None,
     window_s: tuple[float, float] | None = None,
     migration_latency_s: float = 0.0,
@@ -656,7 +704,11 @@ def simulate_decode(
         Pool shape (default one engine of 64 ranks).
     cost : DecodeCost
     max_batch, max_kv_tokens : int, optional
-        Per-rank capacities; a request no rank can take is refused.
+        Per-rank capacities (requests; KV tokens). A request no rank can take now waits
+        (back-pressure) in the pool's FIFO wait queue; see *Capacity* below.
+    kv_watermark_tokens : int, default 0
+        KV tokens of a rank kept free at admission: a policy sees the admission limit
+        ``max_kv_tokens - kv_watermark_tokens`` as ``view.max_kv_tokens``.
     horizon_s : float, optional
         Stop at this time; default: run until every admitted request finished.
     window_s : (float, float), optional
@@ -677,6 +729,27 @@ def simulate_decode(
     -------
     DecodeRun
 
+    Notes
+    -----
+    *Shared MoE work*: with ``cost.b_moe > 0`` every rank of an engine also pays
+    ``b_moe * moe_lb * sum_r B_r / R`` per step (the routed experts run on every rank's tokens);
+    rank times and the balance statistics include it.
+
+    *Capacity* (back-pressure, preemption). A request that the policy does not place (-1) joins
+    the tail of the pool's FIFO wait queue; while the queue is not empty a new request joins its
+    tail without being offered (no request overtakes an earlier one, as in vLLM's and SGLang's
+    schedulers). After every step end where requests finished, the queue's head is offered to
+    the policy again, in order, until one is not placed. A step starts only when every rank's
+    KV plus its growth (one token per running request) fits ``max_kv_tokens``; otherwise the
+    rank's newest requests are preempted: they free their KV and go back to the head of the
+    queue (older first), keeping the tokens they generated (as vLLM's recompute preemption:
+    their KV, prompt plus generated tokens, is rebuilt at readmission, at no modelled cost).
+    Only a request that could never run on an empty rank is refused, at handover: prompt above
+    the admission limit (``"too_long"``) or prompt plus output above the capacity
+    (``"outgrows"``); a request the policy refuses while the pool holds nothing is refused
+    (``"policy"``). Waiting time counts in TPOT (``finish - handover``) and in ``wait_s``.
+    Complexity: a preemption costs O(running requests of the engine).
+
     Examples
     --------
     >>> from lbkit.core import PRESETS
@@ -688,6 +761,14 @@ def simulate_decode(
     ...                       cost=unit.decode)
     >>> dec.handover_s.tolist(), dec.finish_s.tolist()
     ([346.0, 346.0], [350.401, 348.3])
+
+    With room for one request per rank, the third request waits for the first to finish:
+
+    >>> t = Trace(arrival_s=[0.0, 0.0, 0.0], total_tokens=[10, 10, 10], output_tokens=[3, 3, 3])
+    >>> dec = simulate_decode(t, "least_requests", num_engines=1, ranks_per_engine=2,
+    ...                       cost=unit.decode, max_batch=1)
+    >>> dec.wait_s.tolist(), dec.finish_s.tolist()
+    ([0.0, 0.0, 4.021], [4.021, 4.021, 8.042])
     """
     if not isinstance(prefill, (PrefillRun, Trace)):
         raise TypeError(f"prefill: must be a PrefillRun or a Trace, got {type(prefill).__name__}")
@@ -697,6 +778,10 @@ def simulate_decode(
         raise TypeError(f"cost: must be a DecodeCost, got {type(cost).__name__}")
     mb = None if max_batch is None else check_int(max_batch, "max_batch", min_value=1)
     mk = None if max_kv_tokens is None else check_int(max_kv_tokens, "max_kv_tokens", min_value=1)
+    wm = check_int(kv_watermark_tokens, "kv_watermark_tokens", min_value=0)
+    if mk is not None and wm >= mk:
+        raise ValueError(f"kv_watermark_tokens: must be below max_kv_tokens ({mk}), got {wm}")
+    limit = None if mk is None else mk - wm  # admission limit the policies see
     horizon = _horizon(horizon_s)
     window = _window_iv(window_s)
     lat = check_real(migration_latency_s, "migration_latency_s", min_value=0.0)
@@ -736,28 +821,81 @@ def simulate_decode(
     span = max(stop - start, 1e-9)
     bin_s = 2.0 * max(stop, span) / K_BINS
     w0, w1 = (-np.inf, -np.inf) if window is None else window
+    moe = getattr(cost, "b_moe", 0.0) * getattr(cost, "moe_lb", 1.0)
     D = np.array(
         [cost.a, cost.b, cost.k, 1.0 if cost.combine == "max" else 0.0, r, bin_s, w0, w1,
-         lat, per_token],
+         lat, per_token, math.inf if mk is None else float(mk), 0.0, moe],
         dtype=np.float64,
     )  # fmt: skip
     ACC = np.zeros(2 * K.N_DACC)
     BINS = np.zeros((2, K_BINS))
-    EVR = np.zeros(n + 16, dtype=np.int64)
-    view = DecodeView(e, r, _readonly(DK[K.DK_B]), _readonly(DK[K.DK_S]), _readonly(steps), mb, mk)
+    EVR = np.zeros(n + 16 if mk is None else 2 * n + 16, dtype=np.int64)
+    view = DecodeView(e, r, _readonly(DK[K.DK_B]), _readonly(DK[K.DK_S]), _readonly(steps), mb,
+                      limit)  # fmt: skip
     observe = pol.observe
     route = pol.route
     migrations = getattr(pol, "migrations", None)
     advance = K.decode_advance
     admit = K.decode_admit
+    wait = np.zeros(n)
+    refusal = np.zeros(n, dtype=np.int8)
+    queue: deque[int] = deque()  # the wait queue (FIFO; preempted requests at its head)
+    queued_at = np.zeros(n)
+    seq = 0
+    preempted = 0
+
+    def _place(i: int, t: float) -> bool:
+        """Offer request ``i`` to the policy at ``t``; admit it if it is placed."""
+        nonlocal seq
+        kv = int(DI[K.DI_KV, i])
+        f = route(i, kv, now_s=t, view=view)
+        if f < 0:
+            return False
+        if not 0 <= f < nr:
+            raise ValueError(f"policy {name!r} returned rank {f} outside [0, {nr})")
+        if _over_capacity(DK, f, kv, mb, limit):
+            raise ValueError(f"policy {name!r} placed request {i} beyond a rank's capacity")
+        admit(i, f, t, seq, DI, DF, DK, DE, D)
+        seq += 1
+        return True
+
+    def _offer(t: float) -> None:
+        """Offer the wait queue's head to the policy, in order, until one is not placed."""
+        while queue:
+            i = queue[0]
+            if not _place(i, t):
+                if DK[K.DK_B].any():
+                    break
+                refusal[i] = 1 + REFUSALS.index("policy")  # refused on an empty pool
+            else:
+                wait[i] += t - queued_at[i]
+            queue.popleft()
+        D[K.D_STOP] = 1.0 if queue else 0.0
 
     def _advance(t: float) -> None:
+        nonlocal preempted
         while True:
-            nev, complete = advance(t, DI, DF, DK, DE, ACT, D, ACC, BINS, EVR)
+            nev, complete, last_t = advance(t, DI, DF, DK, DE, ACT, D, ACC, BINS, EVR)
             steps[:] = DE[K.DE_STEPS]
             if nev:
-                now = t if t < math.inf else float(DE[K.DE_READY].max())
-                observe(EVR[:nev], now_s=now, view=view)
+                now = t if complete and t < math.inf else float(DE[K.DE_READY].max())
+                if not complete:
+                    now = last_t
+                ev = EVR[:nev]
+                back = ev < 0
+                if back.any():  # preempted: they left their rank too
+                    left = np.where(back, -1 - ev, ev)
+                    observe(left, now_s=now, view=view)
+                    ids = left[back]
+                    ids = ids[np.argsort(DI[K.DI_SEQ, ids], kind="stable")]
+                    queue.extendleft(ids[::-1].tolist())
+                    queued_at[ids] = DF[K.DF_JOIN, ids]  # the preemption time
+                    preempted += int(ids.size)
+                    D[K.D_STOP] = 1.0
+                else:
+                    observe(ev, now_s=now, view=view)
+                if queue and not complete and D[K.D_STOP] > 0 and ev[-1] >= 0:
+                    _offer(now)  # the kernel stopped at a step end where requests finished
             if complete:
                 return
 
@@ -772,22 +910,30 @@ def simulate_decode(
             DF[K.DF_JOIN, i] = t
             DF[K.DF_FINISH, i] = t
             continue
+        if limit is not None and kv0[i] > limit:
+            refusal[i] = 1 + REFUSALS.index("too_long")
+            continue
+        if mk is not None and kv0[i] + out[i] - 1 > mk:
+            refusal[i] = 1 + REFUSALS.index("outgrows")
+            continue
         _advance(t)
         if migrations is not None:
             moved, moved_s = _migrate(migrations(now_s=t, view=view), name, t, DI, DF, DK, DE,
-                                      ACT, D, nr, mb, mk)  # fmt: skip
+                                      ACT, D, nr, mb, limit)  # fmt: skip
             num_moves += moved
             move_s += moved_s
-        f = route(i, int(kv0[i]), now_s=t, view=view)
-        if f >= 0:
-            if not 0 <= f < nr:
-                raise ValueError(f"policy {name!r} returned rank {f} outside [0, {nr})")
-            if _over_capacity(DK, f, kv0[i], mb, mk):
-                raise ValueError(f"policy {name!r} placed request {i} beyond a rank's capacity")
-            admit(i, f, t, DI, DF, DK, DE, D)
+        if queue or not _place(i, t):
+            queue.append(i)
+            queued_at[i] = t
+            D[K.D_STOP] = 1.0
+            if not DK[K.DK_B].any():
+                _offer(t)  # nothing runs: no step end would offer the queue
         if on_progress is not None and (j + 1) % 1000 == 0:
             on_progress(j + 1, count)
     _advance(horizon)
+    while queue and horizon == math.inf:  # only policy refusals on an empty pool remain
+        _offer(float(DE[K.DE_READY].max()))
+        _advance(horizon)
     fin = DF[K.DF_FINISH]
     end = float(np.nanmax(fin)) if (~np.isnan(fin)).any() else 0.0
     if horizon < math.inf:
@@ -817,6 +963,10 @@ def simulate_decode(
         window_sums=None if window is None else ACC[K.DACC_W :].copy(),
         migrations=num_moves,
         migration_s=move_s,
+        wait_s=wait,
+        refusal=refusal,
+        preemptions=preempted,
+        kv_capacity_tokens=mk,
     )
 
 

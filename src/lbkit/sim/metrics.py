@@ -197,6 +197,11 @@ def decode_metrics(run: DecodeRun, /, *, total_tokens: np.ndarray | None = None,
                    edges: tuple[int, ...] = DEFAULT_EDGES) -> dict[str, Any]:  # fmt: skip
     """Balance, imbalance, TPOT and counts of a decode run, with the perfect-balance reference.
 
+    ``mean_running_per_rank`` is the mean over engine steps of the requests decoding per rank
+    (waiting and in-transit ones excluded), over the run's window when it has one, else over
+    the whole run (SPEC section 10). Back-pressure: ``waited`` requests spent time in the wait
+    queue (``wait_*_s`` over admitted requests), ``preemptions``, ``refused_by_reason``.
+
     Raises
     ------
     AssertionError
@@ -233,7 +238,14 @@ def decode_metrics(run: DecodeRun, /, *, total_tokens: np.ndarray | None = None,
         "end_s": run.end_s,
         "migrations": run.migrations,
         "migration_s": run.migration_s,
+        "kv_capacity_tokens": run.kv_capacity_tokens,
+        "preemptions": run.preemptions,
+        "refused_by_reason": run.refused_by_reason,
     }
+    if run.wait_s is not None:
+        admitted = arrived_mask & ~refused & (run.rank != -2)
+        out["waited"] = int((run.wait_s[admitted] > 0).sum())
+        out.update(percentiles(np.where(admitted, run.wait_s, np.nan), prefix="wait"))
     if total_tokens is not None:
         per: dict[str, Any] = {}
         b = _buckets(np.asarray(total_tokens), tuple(edges))
@@ -258,6 +270,10 @@ def decode_metrics(run: DecodeRun, /, *, total_tokens: np.ndarray | None = None,
             "batch_per_rank_mean": w[K.DACC_TOKENS] / (ws * run.ranks_per_engine),
             "note": "the same sums over the steps that start inside the window (steady state)",
         }
+    window = out.get("window")
+    out["mean_running_per_rank"] = (
+        window["batch_per_rank_mean"] if window is not None else out["batch_per_rank_mean"]
+    )
     out["reference"] = {
         "balance_efficiency": 1.0,
         "count_imbalance": run.count_floor_s / t_total if t_total > 0 else 1.0,

@@ -4,9 +4,14 @@ The protocol of :func:`lbkit.sim.engine.simulate_decode` is an object with
 
 ``route(request, kv_tokens, /, *, now_s, view) -> int``
     The flat rank (``engine * ranks_per_engine + rank``) of a request entering decode with
-    ``kv_tokens`` KV tokens (its prompt), or ``-1`` to refuse it.
-``observe(finished, /, *, now_s, view) -> None``
-    Requests that finished decoding since the last call (an int64 array the simulator reuses).
+    ``kv_tokens`` KV tokens (its prompt; a preempted request's prompt plus the tokens it
+    generated), or ``-1`` when no rank can take it now: the request then waits in the pool's
+    FIFO wait queue and is offered again after a step end where requests finished (see
+    :func:`~lbkit.sim.engine.simulate_decode`); it is never dropped.
+``observe(left, /, *, now_s, view) -> None``
+    Requests that left their rank since the last call (an int64 array the simulator reuses):
+    they finished decoding, or were preempted back to the wait queue (KV growth filled their
+    rank; they are routed again later).
 ``migrations(*, now_s, view) -> sequence of (request, rank)`` (optional)
     Called before each routing decision: running requests to move to another rank (their KV
     goes with them; with ``simulate_decode(migration_latency_s=, migration_s_per_kv_token=)``
@@ -16,8 +21,8 @@ The protocol of :func:`lbkit.sim.engine.simulate_decode` is an object with
 
 ``view`` is a :class:`~lbkit.sim.engine.DecodeView`: per rank the requests admitted ``B_r`` and
 their KV tokens ``S_r`` (exact at ``now_s``), the steps each engine has run, and the capacities.
-A policy must respect the capacities (``B_r + 1 <= max_batch``, ``S_r + s <= max_kv_tokens``) and
-refuse when no rank can take the request.
+A policy must respect the capacities (``B_r + 1 <= max_batch``, ``S_r + s <= max_kv_tokens``, the
+admission limits) and return -1 when no rank can take the request (every policy here does).
 
 What each policy uses (ties: lowest flat index):
 
@@ -163,6 +168,13 @@ class LbkitDecode:
     ``migrations``. ``migrated_kv_tokens`` sums the KV tokens moved. While
     a move's KV transfer is modelled the request does not decode, but the ledger still grows its
     KV by a token per step (a drift of a few tokens per move).
+
+    With capacities the balancer gets the view's admission limits. When no rank is eligible its
+    ``admit`` refuses and leaves the request out of its ledger (:mod:`lbkit.decode.reasons`:
+    the caller keeps it), so ``route`` returns -1 and the simulator queues the request; offered
+    again later, it is admitted afresh. A preempted request is ``finish``-ed from the ledger by
+    ``observe`` and admitted afresh when offered again. The ledger never counts less KV than the
+    pool (the drifts above only add tokens), so the balancer never places beyond a capacity.
     """
 
     name = "lbkit"
