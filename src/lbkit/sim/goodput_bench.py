@@ -31,7 +31,12 @@ import numpy as np
 
 from lbkit.core.cost import CostPreset
 from lbkit.core.validation import check_choice, check_int, check_real
-from lbkit.sim.engine import simulate_decode, simulate_prefill
+from lbkit.sim.engine import (
+    DECODE_KV_CAPACITY_TOKENS,
+    DECODE_KV_WATERMARK_TOKENS,
+    simulate_decode,
+    simulate_prefill,
+)
 from lbkit.sim.goodput import DEFAULT_SLO, GoodputSearch, Slo, attainment, find_goodput, with_rate
 from lbkit.sim.ideal import alone_s, simulate_ideal_prefill
 from lbkit.sim.prefix_cache import apply_prefix_cache
@@ -263,7 +268,14 @@ def _decoder(cost: CostPreset, policy: str, engines: int, ranks: int, seed: int)
             trace,
             finish_s,
             lambda t: simulate_decode(
-                t, policy, num_engines=engines, ranks_per_engine=ranks, cost=cost.decode, rng=seed
+                t,
+                policy,
+                num_engines=engines,
+                ranks_per_engine=ranks,
+                cost=cost.decode,
+                max_kv_tokens=DECODE_KV_CAPACITY_TOKENS,
+                kv_watermark_tokens=DECODE_KV_WATERMARK_TOKENS,
+                rng=seed,
             ),
         )
 
