@@ -22,6 +22,13 @@ requests that have not started are pooled and dealt to the least-loaded ranks, a
 change rank are reported as ``EV_MOVE`` events. ``KS`` sums the steps by their number of busy
 ranks (where balance efficiency is lost).
 
+Shared expert work (``P_MOE`` seconds per token): plans use the linear cost ``P_B + P_MOE`` (a
+balanced engine); at a step's start each rank's planned time ``KF_TIME`` is replaced by its fixed
+and local part (``KF_TIME - KF_MOE``) plus the engine's shared part ``P_MOE * sum KF_TOK /
+ranks``, which idle ranks pay too. The scheduled requests become running then (``RI_RUN``,
+``KI_WAIT``; their prefix enters ``KI_KV``); applied chunks add to ``KI_KV``, and a finished
+request's KV leaves it.
+
 Decode pool
 -----------
 Requests ``DI[DI_*, i]``, ``DF[DF_*, i]``; ranks ``DK[DK_*, r]``; engines ``DE[DE_*, e]``; active
