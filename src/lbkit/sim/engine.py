@@ -658,7 +658,9 @@ def simulate_prefill(
 
     hit = np.zeros(nr, dtype=np.int64)
     no_hashes = _readonly(np.zeros(0, dtype=np.int64))
-    with_hashes = trace.hash_ids is not None and trace.hash_offsets is not None
+    hash_ids, hash_offsets = trace.hash_ids, trace.hash_offsets
+    with_hashes = hash_ids is not None and hash_offsets is not None
+    offsets = hash_offsets.tolist() if with_hashes else []
     view = PrefillView(e, r, _readonly(KI[K.KI_NREQ]), _readonly(KI[K.KI_TOKENS]),
                        _readonly(KI[K.KI_WAIT]), _readonly(KI[K.KI_KV]), kv_cap, _readonly(hit),
                        no_hashes, BLOCK_TOKENS)  # fmt: skip
@@ -692,7 +694,9 @@ def simulate_prefill(
             hit.fill(cached[i])
         else:
             hit[:] = _hits_of(rank_cache, i, nr, int(total[i]))
-        v = view._replace(block_hashes=trace.hash_ids_of(i)) if with_hashes else view
+        v = view
+        if with_hashes:  # trace.hash_ids_of(i), without its checks
+            v = view._replace(block_hashes=hash_ids[offsets[i] : offsets[i + 1]])
         f = route(i, int(total[i]), int(cached[i]), now_s=t, view=v)
         if f < 0:
             continue
