@@ -80,6 +80,8 @@ _KV_BYTES_PER_TOKEN = 61 * (512 + 64) * 2
 #: activations and communication buffers leaves 35 GB, ``35e9 // 70,272 = 498,064`` tokens. (An
 #: engine of only 8 such ranks could not hold the weights: 16.6 + 654 / 8 > 80 GB.)
 PREFILL_KV_CAPACITY_TOKENS = int((80e9 - 37e9 - 8e9) // _KV_BYTES_PER_TOKEN)
+_NO_HASHES = np.zeros(0, dtype=np.int64)
+_NO_HASHES.setflags(write=False)
 
 
 class PrefillView(NamedTuple):
@@ -114,18 +116,21 @@ class PrefillView(NamedTuple):
         ``block_tokens`` tokens; empty if the trace has none); valid during ``route``.
     block_tokens : int
         Tokens per prefix block (512).
+
+    The simulator fills every field; a view built by hand with the first four only (e.g. to
+    try a policy) has ``None`` for the other arrays.
     """
 
     num_engines: int
     ranks_per_engine: int
     num_requests: np.ndarray
     tokens: np.ndarray
-    num_waiting: np.ndarray
-    kv_tokens: np.ndarray
-    kv_capacity_tokens: int
-    hit_tokens: np.ndarray
-    block_hashes: np.ndarray
-    block_tokens: int
+    num_waiting: np.ndarray | None = None
+    kv_tokens: np.ndarray | None = None
+    kv_capacity_tokens: int = PREFILL_KV_CAPACITY_TOKENS
+    hit_tokens: np.ndarray | None = None
+    block_hashes: np.ndarray = _NO_HASHES
+    block_tokens: int = BLOCK_TOKENS
 
     @property
     def num_running(self) -> np.ndarray:
@@ -177,7 +182,9 @@ class PrefillRun:
     finish_s : ndarray of float64
         End of the step that finished its prefill (``nan``: refused or still in flight).
     alone_s : ndarray of float64
-        Its prefill time alone on an idle rank under the same plan (the slowdown denominator).
+        Its prefill time alone on an idle rank under the same plan, alone in its engine (the
+        shared expert work of its own tokens only), from the trace's ``cached_tokens`` whatever
+        it hit where it ran: the slowdown denominator, the same for every policy.
     step_mean_s, step_max_s : float
         Sums over all engine steps of the mean and the max over the engine's ranks of the
         modelled rank time (the numerator and denominator of balance efficiency).
@@ -657,13 +664,12 @@ def simulate_prefill(
         K.prefill_alone(RI, P, alone)
 
     hit = np.zeros(nr, dtype=np.int64)
-    no_hashes = _readonly(np.zeros(0, dtype=np.int64))
     hash_ids, hash_offsets = trace.hash_ids, trace.hash_offsets
     with_hashes = hash_ids is not None and hash_offsets is not None
     offsets = hash_offsets.tolist() if with_hashes else []
     view = PrefillView(e, r, _readonly(KI[K.KI_NREQ]), _readonly(KI[K.KI_TOKENS]),
                        _readonly(KI[K.KI_WAIT]), _readonly(KI[K.KI_KV]), kv_cap, _readonly(hit),
-                       no_hashes, BLOCK_TOKENS)  # fmt: skip
+                       _NO_HASHES, BLOCK_TOKENS)  # fmt: skip
     ran_cached = cached.copy()
     observe = pol.observe
     route = pol.route
