@@ -26,13 +26,15 @@ def trace():
 @pytest.mark.parametrize("policy", list(PREFILL_POLICIES))
 def bench_prefill_replay(benchmark, trace, policy, sharing):
     benchmark.group = f"simulate_prefill|{N}"
-    run = benchmark(simulate_prefill, trace, policy, cost=COST.prefill, work_sharing=sharing)
+    run = benchmark(simulate_prefill, trace, policy, num_engines=16, ranks_per_engine=4,
+                    cost=COST.prefill, work_sharing=sharing)  # fmt: skip
     assert run.finished.sum() == N
 
 
 @pytest.mark.parametrize("policy", list(DECODE_POLICIES))
 def bench_decode_replay(benchmark, trace, policy):
     benchmark.group = f"simulate_decode|{N}"
-    pre = simulate_prefill(trace, "least_tokens", cost=COST.prefill)
+    pre = simulate_prefill(trace, "least_tokens", num_engines=16, ranks_per_engine=4,
+                           cost=COST.prefill)  # fmt: skip
     run = benchmark(simulate_decode, pre, policy, cost=COST.decode)
     assert run.finished.sum() == N

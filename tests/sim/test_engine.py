@@ -157,7 +157,9 @@ def test_plan_kernel_matches_plan_chunks(rem, pre, budget, min_chunk, align):
     RI[K.RI_REM] = rem
     RI[K.RI_PREFIX] = pre
     RI[K.RI_NEXT] = [*range(1, len(rem)), -1]
-    P = np.array([cost.a, cost.b, cost.k, cost.q, cost.gamma, budget, min_chunk, align, 1, 0, 1.0])
+    P = np.zeros(K.N_P)
+    P[: K.P_BIN_S + 1] = [cost.a, cost.b, cost.k, cost.q, cost.gamma, budget, min_chunk, align, 1,
+                          0, 1.0]  # fmt: skip
     for kernel in (K.plan_rank, K.plan_rank.py_func):
         count, last, t = kernel(RI, P, 0)
         assert count == len(want.chunk_tokens)

@@ -3,12 +3,15 @@ step kernel against a plain-Python model, conservation, JIT parity and lbkit's e
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from lbkit.core import PRESETS
+from lbkit.prefill import plan_chunks
 from lbkit.sim import _kernels as K
 from lbkit.sim.engine import SHARING, scale_to_utilization, simulate_prefill
 from lbkit.sim.metrics import prefill_metrics
@@ -146,8 +149,11 @@ def _model_step(queues, started, cost, tau, level):
     n=st.integers(0, 9),
     tau=st.floats(20.0, 3000.0),
     level=st.booleans(),
+    moe=st.sampled_from([0.0, 0.5, 3.0]),
 )
-def test_share_kernel_matches_the_model(data, ranks, n, tau, level):
+def test_share_kernel_matches_the_model(data, ranks, n, tau, level, moe):
+    # With shared expert work (moe s per token) the ranks plan for a balanced engine: the
+    # model plans with the linear cost b + moe.
     rem = data.draw(st.lists(st.integers(1, 2500), min_size=n, max_size=n))
     pre = data.draw(st.lists(st.integers(0, 4000), min_size=n, max_size=n))
     where = data.draw(st.lists(st.integers(0, ranks - 1), min_size=n, max_size=n))
@@ -173,12 +179,12 @@ def test_share_kernel_matches_the_model(data, ranks, n, tau, level):
     KF = np.zeros((K.N_KF, ranks))
     EF = np.zeros((K.N_EF, 1))
     P = np.array([UNIT.a, UNIT.b, UNIT.k, UNIT.q, UNIT.gamma, tau, 1, 1, ranks, 0.0, 1.0,
-                  2.0 if level else 1.0])  # fmt: skip
+                  2.0 if level else 1.0, 1.0, moe])  # fmt: skip
     ev = np.zeros(n + 1, dtype=np.int64)
     evk, evt = ev.copy(), ev.copy()
     SCR = np.zeros((3, max(n, ranks)), dtype=np.int64)
     nev = K._share(0, RI, KI, KF, EF, P, ev, evk, evt, 0, SCR)
-    plan, time = _model_step(queues, started, UNIT, tau, level)
+    plan, time = _model_step(queues, started, dataclasses.replace(UNIT, b=UNIT.b + moe), tau, level)
     moved = {}
     for f in range(ranks):
         got, i = [], KI[K.KI_HEAD, f]
@@ -337,8 +343,90 @@ def test_split_kernel_matches_the_model(data, ranks, budget, eff):
         KI[K.KI_SCHED, f], KI[K.KI_LAST, f] = sched[f], last[f]
         KF[K.KF_TIME, f] = time[f]
     P = np.array([UNIT.a, UNIT.b, UNIT.k, UNIT.q, UNIT.gamma, budget, 1, 1, ranks, 0.0, 1.0, 3.0,
-                  eff])  # fmt: skip
+                  eff, 0.0])  # fmt: skip
     K._split(0, RI, KI, KF, P)
     want_last, want_time = _model_split(sched, last, time, rem, prefix, UNIT, budget, eff)
     assert KI[K.KI_LAST].tolist() == want_last
     np.testing.assert_allclose(KF[K.KF_TIME], want_time, rtol=1e-12)
+
+
+def _local(cost, c, p):
+    return c * (cost.b + cost.k * p + cost.q * c) + cost.gamma * p if c > 0 else 0.0
+
+
+@given(
+    data=st.data(),
+    ranks=st.integers(1, 4),
+    n=st.integers(1, 9),
+    tau=st.floats(20.0, 3000.0),
+    mode=st.sampled_from([0, 1, 2]),
+    moe=st.sampled_from([0.0, 0.5, 3.0]),
+)
+def test_start_step_with_shared_work_matches_the_model(data, ranks, n, tau, mode, moe):
+    # One engine step (no sharing, "budget", "level") with shared expert work: the ranks plan
+    # with b + moe; rank time = a + own local work (a only if it computes) + moe * C / ranks,
+    # C the engine's tokens this step (idle ranks pay the shared part too); step = max.
+    rem = data.draw(st.lists(st.integers(1, 2500), min_size=n, max_size=n))
+    pre = data.draw(st.lists(st.integers(0, 4000), min_size=n, max_size=n))
+    where = data.draw(st.lists(st.integers(0, ranks - 1), min_size=n, max_size=n))
+    first = {}
+    for i, f in enumerate(where):
+        first.setdefault(f, i)
+    started = {i for i in first.values() if data.draw(st.booleans())}
+    RI = np.zeros((K.N_RI, n), dtype=np.int64)
+    KI = np.zeros((K.N_KI, ranks), dtype=np.int64)
+    KI[K.KI_HEAD] = KI[K.KI_TAIL] = -1
+    RI[K.RI_NEXT] = -1
+    queues = [[] for _ in range(ranks)]
+    for i in range(n):
+        f = where[i]
+        RI[K.RI_REM, i], RI[K.RI_PREFIX, i] = rem[i], pre[i]
+        RI[K.RI_UNCACHED, i] = rem[i] + (7 if i in started else 0)
+        RI[K.RI_RANK, i] = f
+        K.prefill_admit(i, f, 0.0, RI, KI, np.zeros((K.N_EF, 1)), np.zeros((K.N_EI, 1), np.int64),
+                        np.full(K.N_P, float(ranks)))  # fmt: skip
+        if i in started:  # started in an earlier step: running, its prefix in KV
+            RI[K.RI_RUN, i] = 1
+            KI[K.KI_WAIT, f] -= 1
+            KI[K.KI_KV, f] += pre[i]
+        queues[f].append((i, rem[i], pre[i]))
+    KF = np.zeros((K.N_KF, ranks))
+    EF = np.zeros((K.N_EF, 1))
+    EF[K.EF_READY, 0] = 5.0
+    EI = np.zeros((K.N_EI, 1), dtype=np.int64)
+    EI[K.EI_NREQ, 0] = n
+    P = np.array([UNIT.a, UNIT.b, UNIT.k, UNIT.q, UNIT.gamma, tau, 1, 1, ranks, 0.0, 1e9,
+                  float(mode), 1.0, moe])  # fmt: skip
+    ACC, BINS, KS = np.zeros(K.N_ACC), np.zeros((K.N_BIN, 4)), np.zeros((K.N_KS, ranks + 1))
+    ev = np.zeros(n + 1, dtype=np.int64)
+    SCR = np.zeros((3, max(n, ranks)), dtype=np.int64)
+    K._start_step(0, RI, KI, KF, EF, EI, P, ACC, BINS, KS, ev, ev.copy(), ev.copy(), 0, SCR)
+    plan_cost = dataclasses.replace(UNIT, b=UNIT.b + moe)
+    if mode == 0:
+        plan = []
+        for qu in queues:
+            chunks = []
+            if qu:
+                got = plan_chunks([x[1] for x in qu], [x[2] for x in qu], cost=plan_cost,
+                                  budget_s=tau).chunk_tokens  # fmt: skip
+                chunks = [(qu[j][0], int(c)) for j, c in enumerate(got) if c > 0]
+            plan.append(chunks)
+    else:
+        plan, _ = _model_step(queues, started, plan_cost, tau, mode == 2)
+    tokens = sum(c for chunks in plan for _, c in chunks)
+    shared = moe * tokens / ranks
+    want = [(UNIT.a + sum(_local(UNIT, c, pre[i]) for i, c in chunks) if chunks else 0.0) + shared
+            for chunks in plan]  # fmt: skip
+    np.testing.assert_allclose(KF[K.KF_BUSY], want, rtol=1e-9, atol=1e-9)
+    assert EF[K.EF_END, 0] == pytest.approx(5.0 + max(want), rel=1e-9)
+    assert ACC[K.ACC_MAX] == pytest.approx(max(want), rel=1e-9)
+    assert ACC[K.ACC_MEAN] == pytest.approx(sum(want) / ranks, rel=1e-9)
+    assert KS[K.KS_STEPS, sum(1 for chunks in plan if chunks)] == 1.0
+    # queue counters: a request is running once scheduled (or started before), KV = prefixes
+    sched = {i for chunks in plan for i, _ in chunks}
+    for f in range(ranks):
+        mine = [i for i in range(n) if RI[K.RI_RANK, i] == f]
+        running = [i for i in mine if i in started or i in sched]
+        assert KI[K.KI_NREQ, f] == len(mine)
+        assert KI[K.KI_WAIT, f] == len(mine) - len(running)
+        assert KI[K.KI_KV, f] == sum(pre[i] for i in running)

@@ -22,6 +22,13 @@ requests that have not started are pooled and dealt to the least-loaded ranks, a
 change rank are reported as ``EV_MOVE`` events. ``KS`` sums the steps by their number of busy
 ranks (where balance efficiency is lost).
 
+Shared expert work (``P_MOE`` seconds per token): plans use the linear cost ``P_B + P_MOE`` (a
+balanced engine); at a step's start each rank's planned time ``KF_TIME`` is replaced by its fixed
+and local part (``KF_TIME - KF_MOE``) plus the engine's shared part ``P_MOE * sum KF_TOK /
+ranks``, which idle ranks pay too. The scheduled requests become running then (``RI_RUN``,
+``KI_WAIT``; their prefix enters ``KI_KV``); applied chunks add to ``KI_KV``, and a finished
+request's KV leaves it.
+
 Decode pool
 -----------
 Requests ``DI[DI_*, i]``, ``DF[DF_*, i]``; ranks ``DK[DK_*, r]``; engines ``DE[DE_*, e]``; active
@@ -60,20 +67,32 @@ __all__ = [
 
 # ---------------------------------------------------------------- prefill layout
 RI_REM, RI_PREFIX, RI_NEXT, RI_RANK, RI_UNCACHED, RI_REPORTED = 0, 1, 2, 3, 4, 5
-N_RI = 6
+#: ``RI_RUN``: 1 once a step that computes the request's first chunk has started (vLLM's
+#: "running"; 0 while it waits).
+RI_RUN = 6
+N_RI = 7
 RF_ARRIVAL, RF_FINISH, RF_QREPORT, RF_Q0 = 0, 1, 2, 3
 N_RF = 4
 KI_HEAD, KI_TAIL, KI_NREQ, KI_TOKENS, KI_SCHED, KI_LAST = 0, 1, 2, 3, 4, 5
-N_KI = 6
+#: ``KI_WAIT``: requests not yet running; ``KI_KV``: KV tokens of the running requests (their
+#: prefix plus the tokens computed so far).
+KI_WAIT, KI_KV = 6, 7
+N_KI = 8
 KF_TIME, KF_BUSY = 0, 1
-N_KF = 2
+#: ``KF_TOK``: tokens the rank's plan computes this step; ``KF_MOE``: the shared-expert seconds
+#: its planned time ``KF_TIME`` includes (the balanced-engine guess, replaced at the step's start
+#: by the engine's actual shared work).
+KF_TOK, KF_MOE = 2, 3
+N_KF = 4
 EF_END, EF_READY = 0, 1
 N_EF = 2
 EI_NREQ, EI_STEPS = 0, 1
 N_EI = 2
 P_A, P_B, P_K, P_Q, P_GAMMA, P_BUDGET, P_MIN_CHUNK, P_ALIGN, P_RANKS, P_REPORT = range(10)
 P_BIN_S, P_SHARE, P_CP_EFF = 10, 11, 12
-N_P = 13
+#: ``P_MOE``: shared (routed-expert) seconds per token, ``b_moe * moe_lb`` (SPEC §8).
+P_MOE = 13
+N_P = 14
 ACC_MEAN, ACC_MAX, ACC_STEPS, ACC_TOKENS, ACC_OVERRUNS, ACC_EVENTS_TOTAL = range(6)
 ACC_MOVES, ACC_FEW_MEAN, ACC_FEW_MAX, ACC_FEW_STEPS = 6, 7, 8, 9
 N_ACC = 10
@@ -116,10 +135,12 @@ DBIN_MEAN, DBIN_MAX = 0, 1
 # ---------------------------------------------------------------- prefill
 @jit
 def _work(P, c, p):
-    # QuadraticCost.work of one chunk, in the same operation order as plan_chunks' _work.
+    # Planned work of one chunk: QuadraticCost.work with the linear coefficient of a balanced
+    # engine, b + moe (every rank runs as many tokens, so the shared work per own token is moe),
+    # in the same operation order as plan_chunks' _work (b + 0.0 is b: moe = 0 changes nothing).
     if c <= 0:
         return 0.0
-    return c * (P[P_B] + P[P_K] * p + P[P_Q] * c) + P[P_GAMMA] * p
+    return c * (P[P_B] + P[P_MOE] + P[P_K] * p + P[P_Q] * c) + P[P_GAMMA] * p
 
 
 @jit
@@ -128,15 +149,15 @@ def _solve(P, budget, p):
     slack = budget - P[P_GAMMA] * p
     if not slack > 0.0:
         return 0
-    beta = P[P_B] + P[P_K] * p
+    beta = P[P_B] + P[P_MOE] + P[P_K] * p
     root = 2.0 * slack / (beta + math.sqrt(beta * beta + 4.0 * P[P_Q] * slack))
     c = np.int64(math.floor(min(root, 2.0**62)))
     for _ in range(3):
         c1 = c + 1
-        if c1 * (P[P_B] + P[P_K] * p + P[P_Q] * c1) + P[P_GAMMA] * p <= budget:
+        if _work(P, c1, p) <= budget:
             c = c1
     for _ in range(3):
-        if c > 0 and c * (P[P_B] + P[P_K] * p + P[P_Q] * c) + P[P_GAMMA] * p > budget:
+        if c > 0 and _work(P, c, p) > budget:
             c -= 1
     return c
 
@@ -190,8 +211,14 @@ def plan_rank(RI, P, head):
 
 @jit
 def prefill_alone(RI, P, out):
-    """Seconds each request's prefill takes alone on an idle rank (steps of the plan), into out."""
+    """Seconds each request's prefill takes alone on an idle rank (steps of the plan), into out.
+
+    The request is alone in its engine of ``P_RANKS`` ranks: a step of chunk ``c`` lasts its
+    plan's fixed and local work plus the shared work ``moe * c / ranks``.
+    """
     n = RI.shape[1]
+    moe = P[P_MOE]
+    ranks = P[P_RANKS]
     tmp = np.empty((RI.shape[0], 1), dtype=np.int64)
     for i in range(n):
         tmp[RI_REM, 0] = RI[RI_UNCACHED, i]
@@ -200,7 +227,7 @@ def prefill_alone(RI, P, out):
         t = 0.0
         while tmp[RI_REM, 0] > 0:
             _, c, s = plan_rank(tmp, P, 0)
-            t += s
+            t += s - moe * c + moe * c / ranks
             tmp[RI_REM, 0] -= c
             tmp[RI_PREFIX, 0] += c
         out[i] = t
@@ -208,9 +235,18 @@ def prefill_alone(RI, P, out):
 
 @jit
 def _quota(P, rem, p):
+    # Local work left (what a router can move; the report thresholds).
     if rem <= 0:
         return 0.0
     return rem * (P[P_B] + P[P_K] * p + P[P_Q] * rem) + P[P_GAMMA] * p
+
+
+@jit
+def _plan_quota(P, rem, p):
+    # Planned work left on a balanced engine (local plus moe per token; work sharing's level).
+    if rem <= 0:
+        return 0.0
+    return rem * (P[P_B] + P[P_MOE] + P[P_K] * p + P[P_Q] * rem) + P[P_GAMMA] * p
 
 
 @jit
@@ -282,13 +318,13 @@ def _share(e, RI, KI, KF, EF, P, EVR, EVK, EVT, nev, SCR):
             for g in range(ranks):
                 i = SCR[2, g]
                 if i >= 0:
-                    w = P[P_A] + _quota(P, RI[RI_REM, i], RI[RI_PREFIX, i])
+                    w = P[P_A] + _plan_quota(P, RI[RI_REM, i], RI[RI_PREFIX, i])
                     work += min(w, budget, level)
             for j in range(m):
                 if work > budget * ranks:
                     break
                 i = pool[j]
-                w = _quota(P, RI[RI_REM, i], RI[RI_PREFIX, i])
+                w = _plan_quota(P, RI[RI_REM, i], RI[RI_PREFIX, i])
                 if j < ranks - heads:
                     w += P[P_A]
                 work += min(w, level)
@@ -362,8 +398,10 @@ def _share(e, RI, KI, KF, EF, P, EVR, EVK, EVT, nev, SCR):
                 g = RI[RI_RANK, i]
                 KI[KI_NREQ, g] -= 1
                 KI[KI_TOKENS, g] -= RI[RI_REM, i]
+                KI[KI_WAIT, g] -= 1  # only requests that have not started move
                 KI[KI_NREQ, f] += 1
                 KI[KI_TOKENS, f] += RI[RI_REM, i]
+                KI[KI_WAIT, f] += 1
                 RI[RI_RANK, i] = f
                 EVR[nev] = i
                 EVK[nev] = EV_MOVE
@@ -385,7 +423,8 @@ def _split(e, RI, KI, KF, P):
     at a speed-up of ``n * P_CP_EFF`` fits the budget; each member's time is
     ``a + work / (n * P_CP_EFF)`` (a group whose speed-up would not exceed 1 does not form).
     The chunk stays the prompt's own rank's (its tokens are applied there). ``P_CP_EFF = 1``
-    is the optimistic model: the communication of context-parallel attention is free.
+    is the optimistic model: the communication of context-parallel attention is free. The
+    planned shared work is split the same way (``KF_MOE``; ``KF_TOK`` of the owner is the chunk).
     """
     ranks = np.int64(P[P_RANKS])
     f0 = e * ranks
@@ -436,11 +475,15 @@ def _split(e, RI, KI, KF, P):
             else:
                 hi = mid - 1
         t = P[P_A] + _work(P, lo, p) / speedup
+        moe = P[P_MOE] * lo / speedup
         KI[KI_LAST, f] = lo
         KF[KF_TIME, f] = t
+        KF[KF_TOK, f] = lo
+        KF[KF_MOE, f] = moe
         for h in range(ranks):
             if owner[h] == g:
                 KF[KF_TIME, f0 + h] = t
+                KF[KF_MOE, f0 + h] = moe
 
 
 @jit
@@ -472,26 +515,48 @@ def _start_step(e, RI, KI, KF, EF, EI, P, ACC, BINS, KS, EVR, EVK, EVT, nev, SCR
         nev0 = nev
         nev = _share(e, RI, KI, KF, EF, P, EVR, EVK, EVT, nev, SCR)
         ACC[ACC_MOVES] += nev - nev0
-        if P[P_SHARE] > 2.0:
-            _split(e, RI, KI, KF, P)
     else:
         for f in range(e * ranks, (e + 1) * ranks):
             count, last, t = plan_rank(RI, P, KI[KI_HEAD, f])
             KI[KI_SCHED, f] = count
             KI[KI_LAST, f] = last
             KF[KF_TIME, f] = t
+    # The scheduled requests are running from now on; each rank's tokens and planned shared work.
+    moe = P[P_MOE]
+    for f in range(e * ranks, (e + 1) * ranks):
+        count = KI[KI_SCHED, f]
+        c = 0
+        i = KI[KI_HEAD, f]
+        for s in range(count):
+            c += RI[RI_REM, i] if s < count - 1 else KI[KI_LAST, f]
+            if RI[RI_RUN, i] == 0:
+                RI[RI_RUN, i] = 1
+                KI[KI_WAIT, f] -= 1
+                KI[KI_KV, f] += RI[RI_PREFIX, i]
+            i = RI[RI_NEXT, i]
+        KF[KF_TOK, f] = c
+        KF[KF_MOE, f] = moe * c
+    if P[P_SHARE] > 2.0:
+        _split(e, RI, KI, KF, P)
+    # Rank time: the plan's fixed and local work, plus the engine's actual shared work, which
+    # every rank pays (idle ones too); the plan (busy ranks, overruns) is the planned time.
+    tokens = 0.0
+    for f in range(e * ranks, (e + 1) * ranks):
+        tokens += KF[KF_TOK, f]
+    shared = moe * tokens / ranks
     longest = 0.0
     total = 0.0
     busy = 0
     for f in range(e * ranks, (e + 1) * ranks):
-        t = KF[KF_TIME, f]
+        plan = KF[KF_TIME, f]
+        t = plan - KF[KF_MOE, f] + shared
         KF[KF_BUSY, f] += t
         total += t
-        if t > 0.0:
+        if plan > 0.0:
             busy += 1
         if t > longest:
             longest = t
-        if t > P[P_BUDGET]:
+        if plan > P[P_BUDGET]:
             ACC[ACC_OVERRUNS] += 1.0
     mean = total / ranks
     EF[EF_END, e] = start + longest
@@ -527,10 +592,12 @@ def _end_step(e, RI, RF, KI, EF, EI, P, ACC, EVR, EVK, EVT, nev):
             RI[RI_REM, i] -= c
             RI[RI_PREFIX, i] += c
             KI[KI_TOKENS, f] -= c
+            KI[KI_KV, f] += c
             ACC[ACC_TOKENS] += c
             done = RI[RI_UNCACHED, i] - RI[RI_REM, i]
             if RI[RI_REM, i] == 0:
                 RF[RF_FINISH, i] = end
+                KI[KI_KV, f] -= RI[RI_PREFIX, i]  # its KV leaves for decode
                 nxt = RI[RI_NEXT, i]
                 KI[KI_HEAD, f] = nxt
                 if nxt < 0:
@@ -561,10 +628,11 @@ def _end_step(e, RI, RF, KI, EF, EI, P, ACC, EVR, EVK, EVT, nev):
 
 @jit
 def prefill_admit(i, f, t, RI, KI, EF, EI, P):
-    """Append request ``i`` to the FIFO queue of flat rank ``f`` at time ``t``."""
+    """Append request ``i`` to the FIFO queue of flat rank ``f`` at time ``t`` (it waits)."""
     RI[RI_RANK, i] = f
     _append(RI, KI, f, i)
     KI[KI_NREQ, f] += 1
+    KI[KI_WAIT, f] += 1
     KI[KI_TOKENS, f] += RI[RI_REM, i]
     e = f // np.int64(P[P_RANKS])
     EI[EI_NREQ, e] += 1

@@ -23,10 +23,18 @@ Time starts at the first arrival's time stamp as it is in the trace; nothing rea
 Policies get every piece of information through a *view* (read-only arrays of the pool's state)
 and a stream of events (finished requests, prefill progress), never the simulator's internals.
 
-**Utilisation** (:func:`utilization_factor`): the prefill work of a trace is
-``W = sum_i cost.quota(uncached_i, cached_i)`` seconds of one rank (the fixed cost per step
-excluded); arrivals spanning ``D`` seconds offer ``W / (D * N)`` to ``N`` prefill ranks. The trace
-is time-scaled by ``f = W / (U * N * D)`` so that this offered utilisation equals ``U``.
+**Shared expert work** (SPEC §8). With expert parallelism the routed experts of an engine run on
+the tokens of all its ``R`` ranks: a step in which rank ``r`` computes ``c_r`` tokens lasts
+``max_r T_r`` with ``T_r = a + local_r + shared`` (``local_r`` the rank's own work, ``a`` only if it
+computes anything) and ``shared = b_moe * moe_lb * sum_r c_r / R``, paid by every rank of the
+engine, idle ones included. Ranks plan their chunks for a balanced engine (per-token linear cost
+``b + b_moe * moe_lb``). ``b_moe = 0`` is the per-rank model of SPEC §2.5.
+
+**Utilisation** (:func:`utilization_factor`): the prefill work of a trace is ``W = sum_i
+(cost.quota(uncached_i, cached_i) + b_moe * moe_lb * uncached_i)`` rank-seconds (local plus
+shared work, the fixed cost per step excluded); arrivals spanning ``D`` seconds offer ``W / (D *
+N)`` to ``N`` prefill ranks. The trace is time-scaled by ``f = W / (U * N * D)`` so that this
+offered utilisation (the pool's busy share) equals ``U``.
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ from lbkit.sim.traces import Trace
 __all__ = [
     "DECODE_KV_CAPACITY_TOKENS",
     "DECODE_KV_WATERMARK_TOKENS",
+    "PREFILL_KV_CAPACITY_TOKENS",
     "REFUSALS",
     "SHARING",
     "DecodeRun",
@@ -64,10 +73,25 @@ __all__ = [
 NUM_BINS = 200
 #: Work-sharing modes of the prefill engines (see :func:`simulate_prefill`).
 SHARING = ("off", "budget", "level", "split")
+#: Tokens per prefix block (Mooncake ``hash_ids``).
+BLOCK_TOKENS = 512
+#: DeepSeek-V3 KV bytes per token (MLA, bf16): 61 layers x (512 + 64) values x 2 bytes.
+_KV_BYTES_PER_TOKEN = 61 * (512 + 64) * 2
+#: Default KV capacity of a prefill rank (tokens): the KV memory left on an 80 GB H800 running
+#: DeepSeek-V3 in FP8 (one byte per parameter) with expert parallelism over 32 GPUs as in
+#: DeepSeek's prefill deployment: 16.6 B replicated parameters (attention, dense layers, shared
+#: experts, embeddings) plus 654 B / 32 routed-expert parameters make 37 GB of weights; 8 GB for
+#: activations and communication buffers leaves 35 GB, ``35e9 // 70,272 = 498,064`` tokens. (An
+#: engine of only 8 such ranks could not hold the weights: 16.6 + 654 / 8 > 80 GB.)
+PREFILL_KV_CAPACITY_TOKENS = int((80e9 - 37e9 - 8e9) // _KV_BYTES_PER_TOKEN)
+_NO_HASHES = np.zeros(0, dtype=np.int64)
+_NO_HASHES.setflags(write=False)
 
 
 class PrefillView(NamedTuple):
     """What a prefill policy may read: the pool's shape and per-rank state (read-only arrays).
+
+    The per-rank arrays are live: they change as the replay goes on (copy what must be kept).
 
     Attributes
     ----------
@@ -76,12 +100,46 @@ class PrefillView(NamedTuple):
         Requests queued or running on each rank (flat index ``engine * ranks_per_engine + r``).
     tokens : ndarray of int64, shape (ranks,)
         Uncached prompt tokens still to prefill on each rank.
+    num_waiting : ndarray of int64, shape (ranks,)
+        Requests on each rank that are not running yet (vLLM's "waiting"): a request waits from
+        its admission until the start of the engine step that computes its first chunk; from
+        then on it is *running* (``num_running = num_requests - num_waiting``) until its prefill
+        ends. Work sharing moves only waiting requests.
+    kv_tokens : ndarray of int64, shape (ranks,)
+        KV tokens held by each rank's running requests: their cached prefix (counted from the
+        start of their first step) plus the tokens prefilled so far (counted at the end of each
+        step); a request's KV leaves when its prefill ends (it goes to decode).
+    kv_capacity_tokens : int
+        KV capacity of a rank (tokens); informational, a prefill rank never refuses on it.
+    hit_tokens : ndarray of int64, shape (ranks,)
+        Cached prompt tokens of the request being routed on each rank (valid during ``route``):
+        ``rank_cache.hit_tokens(request)`` with a local prefix-cache hook, else the trace's
+        ``cached_tokens`` on every rank.
+    block_hashes : ndarray of int64
+        Chained prefix-block ids of the request being routed (Mooncake ``hash_ids``, one per
+        ``block_tokens`` tokens; empty if the trace has none); valid during ``route``.
+    block_tokens : int
+        Tokens per prefix block (512).
+
+    The simulator fills every field; a view built by hand with the first four only (e.g. to
+    try a policy) has ``None`` for the other arrays.
     """
 
     num_engines: int
     ranks_per_engine: int
     num_requests: np.ndarray
     tokens: np.ndarray
+    num_waiting: np.ndarray | None = None
+    kv_tokens: np.ndarray | None = None
+    kv_capacity_tokens: int = PREFILL_KV_CAPACITY_TOKENS
+    hit_tokens: np.ndarray | None = None
+    block_hashes: np.ndarray = _NO_HASHES
+    block_tokens: int = BLOCK_TOKENS
+
+    @property
+    def num_running(self) -> np.ndarray:
+        """Requests running (partially prefilled or in the current step) on each rank."""
+        return self.num_requests - self.num_waiting
 
 
 class DecodeView(NamedTuple):
@@ -130,7 +188,9 @@ class PrefillRun:
     finish_s : ndarray of float64
         End of the step that finished its prefill (``nan``: refused or still in flight).
     alone_s : ndarray of float64
-        Its prefill time alone on an idle rank under the same plan (the slowdown denominator).
+        Its prefill time alone on an idle rank under the same plan, alone in its engine (the
+        shared expert work of its own tokens only), from the trace's ``cached_tokens`` whatever
+        it hit where it ran: the slowdown denominator, the same for every policy.
     step_mean_s, step_max_s : float
         Sums over all engine steps of the mean and the max over the engine's ranks of the
         modelled rank time (the numerator and denominator of balance efficiency).
@@ -160,6 +220,10 @@ class PrefillRun:
         whatever the plan, since a request runs on one rank).
     few_mean_s, few_max_s : float
         The balance sums over those steps.
+    cached_tokens : ndarray of int64
+        Cached prompt tokens of each request where it ran (with a ``rank_cache``, its hit on
+        the rank it was admitted to; else, and for requests not routed, the trace's); the
+        engines computed ``total_tokens - cached_tokens`` tokens of each finished request.
     """
 
     policy: str
@@ -190,6 +254,11 @@ class PrefillRun:
     few_steps: int = 0
     few_mean_s: float = 0.0
     few_max_s: float = 0.0
+    cached_tokens: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if self.cached_tokens is None:
+            object.__setattr__(self, "cached_tokens", self.trace.cached_tokens)
 
     @property
     def refused(self) -> np.ndarray:
@@ -321,7 +390,10 @@ class DecodeRun:
 
 # ------------------------------------------------------------------------ utilisation
 def prefill_work_s(trace: Trace, cost: QuadraticCost) -> np.ndarray:
-    """Quota of every request: ``cost.quota(total - cached, cached)`` seconds of one rank."""
+    """Quota of every request: ``cost.quota(total - cached, cached)`` seconds of one rank.
+
+    Local work only (what a router can move); the shared expert work is not in it.
+    """
     if not isinstance(trace, Trace):
         raise TypeError(f"trace: must be a Trace, got {type(trace).__name__}")
     if not isinstance(cost, QuadraticCost):
@@ -336,8 +408,10 @@ def utilization_factor(
 ) -> float:
     """Time-scaling factor ``f = W / (U * N * D)`` that makes the offered utilisation ``U``.
 
-    ``W`` is the trace's total prefill quota (seconds of one rank), ``D`` the span of its
-    arrivals, ``N = num_ranks``. Multiplying every arrival by ``f`` makes ``W / (f D N) = U``.
+    ``W`` is the trace's prefill work in rank-seconds: its total quota (local work) plus the
+    shared expert work ``b_moe * moe_lb`` per uncached token (which some rank of the engine
+    runs), so that ``U`` is the pool's busy share; ``D`` is the span of its arrivals, ``N =
+    num_ranks``. Multiplying every arrival by ``f`` makes ``W / (f D N) = U``.
 
     Raises
     ------
@@ -354,6 +428,7 @@ def utilization_factor(
     u = check_real(utilization, "utilization", min_value=0.0, strict_min=True)
     n = check_int(num_ranks, "num_ranks", min_value=1)
     work = float(prefill_work_s(trace, cost).sum())
+    work += _moe_s_per_token(cost) * float((trace.total_tokens - trace.cached_tokens).sum())
     span = float(trace.arrival_s[-1] - trace.arrival_s[0]) if len(trace) else 0.0
     if not span > 0:
         raise ValueError(
@@ -376,6 +451,11 @@ def scale_to_utilization(
 
 
 # ------------------------------------------------------------------------ prefill
+def _moe_s_per_token(cost: QuadraticCost) -> float:
+    """Effective shared seconds per token, ``b_moe * moe_lb`` (0 for a cost without them)."""
+    return float(getattr(cost, "b_moe", 0.0)) * float(getattr(cost, "moe_lb", 1.0))
+
+
 def _policy_of(policy: Any, table: Mapping[str, Callable[..., Any]], kind: str, *args, **kw):
     if isinstance(policy, str):
         if policy not in table:
@@ -425,8 +505,8 @@ def simulate_prefill(
     policy: Any,
     /,
     *,
-    num_engines: int = 16,
-    ranks_per_engine: int = 4,
+    num_engines: int = 8,
+    ranks_per_engine: int = 8,
     cost: QuadraticCost,
     budget_s: float = 1.0,
     min_chunk: int = 1,
@@ -434,6 +514,8 @@ def simulate_prefill(
     report_quantum: float = 0.02,
     work_sharing: str = "off",
     cp_efficiency: float = 1.0,
+    kv_capacity_tokens: int = PREFILL_KV_CAPACITY_TOKENS,
+    rank_cache: Any = None,
     horizon_s: float | None = None,
     rng: np.random.Generator | int | None = None,
     on_progress: Callable[[int, int], None] | None = None,
@@ -449,9 +531,11 @@ def simulate_prefill(
         A key of :data:`lbkit.sim.policies.PREFILL_POLICIES`, or an object with ``route`` and
         ``observe`` (see :mod:`lbkit.sim.policies`).
     num_engines, ranks_per_engine : int
-        Pool shape (default 16 x 4).
+        Pool shape (default 8 x 8, SPEC §8).
     cost : QuadraticCost
-        Prefill step cost of one rank.
+        Prefill step cost of one rank: local work, plus the shared expert work ``b_moe *
+        moe_lb`` per token of the engine's step spread over its ranks (see the module notes;
+        a cost without ``b_moe`` has none). Ranks plan for a balanced engine.
     budget_s : float, default 1.0
         Time budget ``tau`` of a rank's step plan.
     min_chunk, align : int
@@ -482,6 +566,20 @@ def simulate_prefill(
         Parallel efficiency of a ``"split"`` group: ``n`` ranks run a chunk ``n *
         cp_efficiency`` times as fast as one (a group that would not beat one rank does not
         form); 1 is free communication, 0.8 charges a fifth of the group's time to it.
+    kv_capacity_tokens : int, default :data:`PREFILL_KV_CAPACITY_TOKENS`
+        Per-rank KV capacity shown to policies (``PrefillView.kv_capacity_tokens``, e.g. for a
+        KV-usage score); prefill ranks never refuse on it.
+    rank_cache : object, optional
+        Local prefix caches (e.g. :mod:`lbkit.sim.prefix_cache`'s per-rank LRUs), an object with
+        ``hit_tokens(request) -> int64 array (ranks,)`` (cached tokens of the request on each
+        rank now, at most ``total_tokens - 1``), ``admitted(request, rank)`` and
+        ``finished(request, rank)``. Before routing request ``i`` the view's ``hit_tokens`` is
+        ``rank_cache.hit_tokens(i)``; admitted to flat rank ``f`` the request's cached prefix is
+        ``hit_tokens[f]`` (it prefills the rest), then ``admitted(i, f)`` is called; when its
+        prefill ends on rank ``g`` (its rank then, after any work-sharing move),
+        ``finished(i, g)``. Without it every rank hits the trace's ``cached_tokens``. ``alone_s``
+        (the slowdown denominator) always uses the trace's ``cached_tokens``, whatever the
+        policy's hits, so that it is the same for every policy.
     horizon_s : float, optional
         Stop at this time (requests not finished by then are *in flight*). Default: run until
         every routed request is prefilled.
@@ -494,6 +592,12 @@ def simulate_prefill(
     -------
     PrefillRun
 
+    Raises
+    ------
+    ValueError
+        Bad options, a policy's rank outside the pool, or ``rank_cache.hit_tokens`` not of
+        shape (ranks,) or outside ``[0, total_tokens - 1]``.
+
     Runtime complexity: O(requests * route + steps * ranks_per_engine * requests per step).
 
     Examples
@@ -504,6 +608,22 @@ def simulate_prefill(
     ...                        cost=PRESETS["unit"].prefill, budget_s=1000.0)
     >>> run.rank.tolist(), run.finish_s.tolist()
     ([0, 1, 0], [346.0, 346.0, 567.0])
+
+    With shared expert work the engine's step lasts longer than a rank's own work: a cost of
+    ``a = 1``, ``b = 1``, ``b_moe * moe_lb = 2`` (no attention terms) and 100 + 300 tokens on two
+    ranks in one step is ``1 + 300 + 2 * 400 / 2 = 701`` seconds; the two ranks plan for ``3 s``
+    per token and fit the whole prompts in the 1,000 s budget.
+
+    >>> import dataclasses
+    >>> @dataclasses.dataclass(frozen=True)
+    ... class MoeCost(QuadraticCost):
+    ...     b_moe: float = 0.0
+    ...     moe_lb: float = 1.0
+    >>> moe = MoeCost(a=1.0, b=1.0, k=0.0, q=0.0, b_moe=1.6, moe_lb=1.25)
+    >>> two = t.head(2)
+    >>> simulate_prefill(two, "round_robin", num_engines=1, ranks_per_engine=2, cost=moe,
+    ...                  budget_s=1000.0).finish_s.tolist()
+    [701.0, 701.0]
     """
     e, r, budget, min_chunk, align, report, share = _prefill_iv(
         trace,
@@ -518,6 +638,11 @@ def simulate_prefill(
     )
     cp_eff = check_real(cp_efficiency, "cp_efficiency", min_value=0.0, strict_min=True,
                         max_value=1.0)  # fmt: skip
+    kv_cap = check_int(kv_capacity_tokens, "kv_capacity_tokens", min_value=1)
+    if rank_cache is not None:
+        for method in ("hit_tokens", "admitted", "finished"):
+            if not callable(getattr(rank_cache, method, None)):
+                raise TypeError(f"rank_cache: must have a callable {method}() method")
     horizon = _horizon(horizon_s)
     gen = as_rng(rng)
     name, pol = _policy_of(policy, _prefill_table(), "prefill", e, r, cost=cost, rng=gen)
@@ -552,7 +677,7 @@ def simulate_prefill(
     bin_s = max(2.0 * float(arrival[-1]), 1e-9) / K_BINS if n else 1.0
     P = np.array(
         [cost.a, cost.b, cost.k, cost.q, cost.gamma, budget, min_chunk, align, r, report, bin_s,
-         float(share), cp_eff],
+         float(share), cp_eff, _moe_s_per_token(cost)],
         dtype=np.float64,
     )  # fmt: skip
     ACC = np.zeros(K.N_ACC)
@@ -567,7 +692,14 @@ def simulate_prefill(
     if n:
         K.prefill_alone(RI, P, alone)
 
-    view = PrefillView(e, r, _readonly(KI[K.KI_NREQ]), _readonly(KI[K.KI_TOKENS]))
+    hit = np.zeros(nr, dtype=np.int64)
+    hash_ids, hash_offsets = trace.hash_ids, trace.hash_offsets
+    with_hashes = hash_ids is not None and hash_offsets is not None
+    offsets = hash_offsets.tolist() if with_hashes else []
+    view = PrefillView(e, r, _readonly(KI[K.KI_NREQ]), _readonly(KI[K.KI_TOKENS]),
+                       _readonly(KI[K.KI_WAIT]), _readonly(KI[K.KI_KV]), kv_cap, _readonly(hit),
+                       _NO_HASHES, BLOCK_TOKENS)  # fmt: skip
+    ran_cached = cached.copy()
     observe = pol.observe
     route = pol.route
     advance = K.prefill_advance
@@ -577,6 +709,10 @@ def simulate_prefill(
         while True:
             nev, complete = advance(t, RI, RF, KI, KF, EF, EI, P, ACC, BINS, KS, EVR, EVK, EVT, SCR)
             if nev:
+                if rank_cache is not None:
+                    done = EVR[:nev][EVK[:nev] == K.EV_FINISH]
+                    for j, g in zip(done.tolist(), RI[K.RI_RANK, done].tolist(), strict=True):
+                        rank_cache.finished(j, g)
                 now = t if t < math.inf else float(EF[K.EF_READY].max())
                 observe(EVR[:nev], EVK[:nev], EVT[:nev], now_s=now)
             if complete:
@@ -589,12 +725,24 @@ def simulate_prefill(
             break
         arrived += 1
         _advance(t)
-        f = route(i, int(total[i]), int(cached[i]), now_s=t, view=view)
+        if rank_cache is None:
+            hit.fill(cached[i])
+        else:
+            hit[:] = _hits_of(rank_cache, i, nr, int(total[i]))
+        v = view
+        if with_hashes:  # trace.hash_ids_of(i), without its checks
+            v = view._replace(block_hashes=hash_ids[offsets[i] : offsets[i + 1]])
+        f = route(i, int(total[i]), int(cached[i]), now_s=t, view=v)
         if f < 0:
             continue
         if not 0 <= f < nr:
             raise ValueError(f"policy {name!r} returned rank {f} outside [0, {nr})")
+        if rank_cache is not None:
+            _set_prefix(i, int(hit[f]), int(total[i]), RI, RF, cost)
+            ran_cached[i] = hit[f]
         admit(i, f, t, RI, KI, EF, EI, P)
+        if rank_cache is not None:
+            rank_cache.admitted(i, f)
         if on_progress is not None and (i + 1) % 1000 == 0:
             on_progress(i + 1, n)
     _advance(horizon)
@@ -631,7 +779,35 @@ def simulate_prefill(
         few_steps=int(ACC[K.ACC_FEW_STEPS]),
         few_mean_s=float(ACC[K.ACC_FEW_MEAN]),
         few_max_s=float(ACC[K.ACC_FEW_MAX]),
+        cached_tokens=ran_cached,
     )
+
+
+def _hits_of(rank_cache: Any, i: int, nr: int, total: int) -> np.ndarray:
+    """``rank_cache.hit_tokens(i)`` checked: int64 of shape (nr,) within ``[0, total - 1]``."""
+    h = np.asarray(rank_cache.hit_tokens(i))
+    if h.shape != (nr,) or h.dtype.kind not in "iu":
+        raise ValueError(
+            f"rank_cache: hit_tokens({i}) must be an integer array of shape ({nr},), got "
+            f"{h.dtype} of shape {h.shape}"
+        )
+    if nr and (int(h.min()) < 0 or int(h.max()) > total - 1):
+        raise ValueError(
+            f"rank_cache: hit_tokens({i}) must be within [0, total_tokens - 1 = {total - 1}], "
+            f"got [{int(h.min())}, {int(h.max())}]"
+        )
+    return h
+
+
+def _set_prefix(i: int, prefix: int, total: int, RI, RF, cost: QuadraticCost) -> None:
+    """Request ``i`` hits ``prefix`` cached tokens where it is admitted: it prefills the rest."""
+    rem = total - prefix
+    RI[K.RI_PREFIX, i] = prefix
+    RI[K.RI_REM, i] = rem
+    RI[K.RI_UNCACHED, i] = rem
+    q = float(cost.quota(rem, prefix))
+    RF[K.RF_QREPORT, i] = q
+    RF[K.RF_Q0, i] = q
 
 
 K_BINS = NUM_BINS

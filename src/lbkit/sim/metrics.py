@@ -135,7 +135,7 @@ def prefill_metrics(
     n_fin = int(finished.sum())
     in_flight = int((routed & ~finished).sum())
     assert arrived == n_fin + refused + in_flight, "prefill conservation"
-    uncached = trace.total_tokens - trace.cached_tokens
+    uncached = trace.total_tokens - run.cached_tokens  # what each request hit where it ran
     assert run.tokens_computed >= int(uncached[finished].sum()), "prefill work conservation"
     if in_flight == 0:
         assert run.tokens_computed == int(uncached[finished].sum()), "prefill work conservation"
