@@ -125,11 +125,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--decode-batch",
         type=float,
+        default=64.0,
         metavar="B",
-        help="also replay the trace straight into the decode pool (decode-only), time-scaled "
-        "so that each rank holds about B requests, and report steady-state decode balance; "
-        "decode pools run tens of requests per rank, a load the prefill pool's handovers "
-        "rarely reach",
+        help="the decode comparison replays the trace straight into the decode pool "
+        "(decode-only), time-scaled so that each rank holds about B running requests (default "
+        "64; decode ranks run 32-128; with the KV capacity of a rank the batch reached may be "
+        "lower, and the table says so)",
     )
     p.add_argument(
         "--migrate-every",
@@ -265,13 +266,9 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--cp-efficiency: must be in (0, 1], got {args.cp_efficiency}")
     if args.cp_efficiency != 1.0 and args.work_sharing != "split":
         raise ValueError("--cp-efficiency: needs --work-sharing split")
-    if args.decode_batch is not None and not (
-        args.decode_batch > 0 and math.isfinite(args.decode_batch)
-    ):
+    if not (args.decode_batch > 0 and math.isfinite(args.decode_batch)):
         raise ValueError(f"--decode-batch: must be a finite number > 0, got {args.decode_batch}")
     if args.migrate_every is not None:
-        if args.decode_batch is None:
-            raise ValueError("--migrate-every: needs --decode-batch (decode-only replay)")
         if not (args.migrate_every >= 0 and math.isfinite(args.migrate_every)):
             raise ValueError(
                 f"--migrate-every: must be a finite number >= 0, got {args.migrate_every}"
@@ -326,11 +323,43 @@ def run(args: argparse.Namespace) -> int:
             )
         pp = [n for n in names if n in PREFILL_POLICIES] or ["lbkit"]
         dp = [n for n in names if n in DECODE_POLICIES] or ["lbkit"]
+    from lbkit.core import PRESETS
+    from lbkit.sim.goodput import Slo
+    from lbkit.sim.goodput_bench import prepare_cache, run_goodput
+
+    cache = args.cache
+    if trace.hash_ids is None and cache != "none":
+        cache = "none"  # no block hashes: nothing to cache (e.g. the Azure traces)
+    prepared = prepare_cache(trace, cache)
+    rank_cache = _rank_cache(args) if cache == "local" else None
+    slo = Slo(
+        ttft_s=args.slo_ttft,
+        ttft_slowdown=args.slo_ttft_slowdown,
+        tpot_s=args.slo_tpot,
+        attainment=args.attainment,
+    )
     progress = _Progress()
     start = time.perf_counter()
     try:
+        goodput = None
+        if not args.no_goodput:
+            goodput = run_goodput(
+                prepared,
+                policies=pp if pp is not None else list(PREFILL_POLICIES),
+                cost=PRESETS[args.cost],
+                cache=cache,
+                num_engines=args.prefill_engines,
+                ranks_per_engine=args.ranks_per_engine,
+                decode_engines=args.decode_engines,
+                decode_ranks=args.decode_ranks,
+                slo=slo,
+                budget_s=args.budget,
+                seed=args.seed,
+                rank_cache=rank_cache,
+                progress=progress,
+            )
         res = run_bench(
-            trace,
+            prepared,
             utilization=args.utilization,
             seed=args.seed,
             prefill_engines=args.prefill_engines,
@@ -338,32 +367,42 @@ def run(args: argparse.Namespace) -> int:
             decode_engines=args.decode_engines,
             decode_ranks=args.decode_ranks,
             prefill_policies=pp,
-            decode_policies=dp,
+            decode_policies=[],
             cost=args.cost,
             budget_s=args.budget,
             work_sharing=args.work_sharing,
             cp_efficiency=args.cp_efficiency,
             eplb=not args.no_eplb,
+            rank_cache=rank_cache,
             progress=progress,
         )
-        if args.decode_batch is not None:
-            progress("decode-only", 0, 1)
-            res.report["decode_only"] = run_decode_bench(
-                trace,
-                batch_per_rank=args.decode_batch,
-                seed=args.seed,
-                decode_engines=args.decode_engines,
-                decode_ranks=args.decode_ranks,
-                decode_policies=dp,
-                cost=args.cost,
-                migrate_every_s=args.migrate_every,
-                max_migrations=args.max_migrations,
-                migration_s_per_kv_token=0.0
-                if args.migration_gbps is None
-                else args.kv_bytes_per_token / (args.migration_gbps * 1e9),
-            )
+        progress("decode", 0, 1)
+        decode = run_decode_bench(
+            trace,
+            batch_per_rank=args.decode_batch,
+            seed=args.seed,
+            decode_engines=args.decode_engines,
+            decode_ranks=args.decode_ranks,
+            decode_policies=dp,
+            cost=args.cost,
+            migrate_every_s=args.migrate_every,
+            max_migrations=args.max_migrations,
+            migration_s_per_kv_token=0.0
+            if args.migration_gbps is None
+            else args.kv_bytes_per_token / (args.migration_gbps * 1e9),
+        )
     finally:
         progress.close()
+    report = res.report
+    report["options"]["cache"] = cache
+    report["options"]["slo"] = slo.as_dict()
+    if goodput is not None:
+        report["goodput"] = goodput["goodput"]
+        report["ideal"] = goodput["ideal"]
+        report["goodput_details"] = {k: v for k, v in goodput.items()
+                                     if k not in ("goodput", "ideal")}  # fmt: skip
+    report["decode"] = decode["decode"]
+    report["decode_run"] = {k: v for k, v in decode.items() if k != "decode"}
     wall = time.perf_counter() - start
     res.report["timing"]["wall_s"] = wall
     _print_report(res.report, wall)
@@ -372,6 +411,17 @@ def run(args: argparse.Namespace) -> int:
     if args.plot is not None:
         _plot(res, args.plot)
     return 0
+
+
+def _rank_cache(args: argparse.Namespace) -> Any:
+    """Factory of the per-rank prefix caches of one replay (``--cache local``)."""
+    from lbkit.sim.engine import PREFILL_KV_CAPACITY_TOKENS
+    from lbkit.sim.prefix_cache import LocalPrefixCaches
+    from lbkit.sim.traces import MOONCAKE_BLOCK_TOKENS
+
+    ranks = args.prefill_engines * args.ranks_per_engine
+    capacity = PREFILL_KV_CAPACITY_TOKENS // MOONCAKE_BLOCK_TOKENS
+    return lambda trace: LocalPrefixCaches(trace, ranks, capacity_blocks=capacity)
 
 
 def _fmt(v: Any, kind: str) -> str:
@@ -493,31 +543,14 @@ def _print_report(r: dict[str, Any], wall: float) -> None:
             [("perfect (fluid)", ref)],
         )
         _bucket_table(pre)
-    dec = r["decode"]
-    if dec:
-        first = next(iter(dec.values()))
-        _table(
-            f"Decode (TPOT in ms; mean batch per rank {first['batch_per_rank_mean']:.2f}, "
-            f"count imbalance floor {first['reference']['count_imbalance']:.3f})",
-            dec,
-            [
-                ("balance_efficiency", "balance", "r", "max"),
-                ("count_imbalance", "count imb", "r", "min"),
-                ("kv_imbalance", "KV imb", "r", "min"),
-                ("tpot_p50_s", "TPOT p50", "ms", "min"),
-                ("tpot_p99_s", "p99", "ms", "min"),
-                ("finished", "finished", "n", ""),
-                ("refused", "refused", "n", ""),
-            ],
-            [("perfect", first["reference"])],
-        )
-    if "decode_only" in r:
-        d = r["decode_only"]
+    if r.get("decode"):
+        d = {**r["decode_run"], "decode": r["decode"]}
         w = d["workload"]
         rows = {
-            k: {**m["window"], "tpot_p99_s": m["tpot_p99_s"], "migrations": m["migrations"]}
+            k: {**m["window"], "tpot_p99_s": m["tpot_p99_s"], "migrations": m["migrations"],
+                "mean_running_per_rank": m.get("mean_running_per_rank")}
             for k, m in d["decode"].items()
-        }
+        }  # fmt: skip
         first = next(iter(rows.values()))
         mig = d["options"].get("migration")
         note = ""

@@ -94,6 +94,7 @@ def load_bench_trace(path: str | Path, /, *, format: str | None = None) -> Trace
 def _names(policies: Sequence[str] | None, table: Any, kind: str) -> list[str]:
     if policies is None:
         return list(table)
+    policies = list(policies)
     out = []
     for p in policies:
         if p not in table:
@@ -130,8 +131,8 @@ def run_bench(
     *,
     utilization: float = 0.8,
     seed: int = 0,
-    prefill_engines: int = 16,
-    ranks_per_engine: int = 4,
+    prefill_engines: int = 8,
+    ranks_per_engine: int = 8,
     decode_engines: int = 1,
     decode_ranks: int = 64,
     prefill_policies: Sequence[str] | None = None,
@@ -141,6 +142,7 @@ def run_bench(
     work_sharing: str = "off",
     cp_efficiency: float = 1.0,
     eplb: bool = False,
+    rank_cache: Callable[[Trace], Any] | None = None,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> BenchResult:
     """Replay ``trace`` through every prefill and decode policy and collect SPEC §7 metrics.
@@ -153,7 +155,7 @@ def run_bench(
     seed : int, default 0
         Seed of randomised policies (each policy run starts from this seed).
     prefill_engines, ranks_per_engine : int
-        Prefill pool (default 16 x 4).
+        Prefill pool (default 8 x 8, SPEC section 8).
     decode_engines, decode_ranks : int
         Decode pool: engines and ranks per engine (default 1 x 64).
     prefill_policies, decode_policies : sequence of str, optional
@@ -172,6 +174,9 @@ def run_bench(
         Parallel efficiency of context-parallel groups under ``"split"``.
     eplb : bool, default False
         Also plan the EPLB example with ``greedy`` and the default method.
+    rank_cache : callable(trace) -> hook, optional
+        Per-rank prefix caches (``simulate_prefill(rank_cache=...)``): called with the scaled
+        trace once per prefill policy, for a fresh cache state each run.
     progress : callable(label, done, total), optional
         Progress callback (never affects the result).
 
@@ -261,6 +266,7 @@ def run_bench(
             cp_efficiency=cp_eff,
             rng=seed,
             on_progress=cb,
+            rank_cache=None if rank_cache is None else rank_cache(scaled),
         )
         timing["prefill"][name] = time.perf_counter() - start
         pruns[name] = run
