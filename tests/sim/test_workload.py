@@ -125,7 +125,7 @@ def test_default_workload_mix():
     assert _within_sigmas(s.bucket_request_shares[3], 0.005, 20_000)
     assert s.rate_per_s == pytest.approx(3.4, rel=0.03)
     assert "64K-256K" in str(s) and ">=256K" in str(s)
-    assert t.hash_ids is None and (t.cached_tokens == 0).all()
+    assert t.hash_ids is not None and (t.cached_tokens == 0).all()
     short = default_workload(num_requests=100, rng=1)
     assert len(short) == 100 and short != default_workload(num_requests=100, rng=2)
 

@@ -415,12 +415,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _rank_cache(args: argparse.Namespace) -> Any:
     """Factory of the per-rank prefix caches of one replay (``--cache local``)."""
-    from lbkit.sim.engine import PREFILL_KV_CAPACITY_TOKENS
-    from lbkit.sim.prefix_cache import LocalPrefixCaches
-    from lbkit.sim.traces import MOONCAKE_BLOCK_TOKENS
+    from lbkit.sim.prefix_cache import LocalPrefixCaches, capacity_blocks_for
 
     ranks = args.prefill_engines * args.ranks_per_engine
-    capacity = PREFILL_KV_CAPACITY_TOKENS // MOONCAKE_BLOCK_TOKENS
+    capacity = capacity_blocks_for()
     return lambda trace: LocalPrefixCaches(trace, ranks, capacity_blocks=capacity)
 
 

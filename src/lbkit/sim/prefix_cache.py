@@ -23,10 +23,17 @@ Model (a static replay: no timing, one global cache):
 LRU is a stack algorithm: the cache of capacity ``C`` always holds the ``C`` most recently
 touched blocks, so a larger cache holds a superset and never gives fewer hits, request by
 request.
+
+Local caches (``--cache local``, :class:`RankCaches`, :class:`LocalPrefixCaches`): every rank
+keeps its own LRU of blocks with the same lookup, tail-first touch and eviction rules, so a
+request's cached tokens depend on the rank it is routed to. Timing matters there: a request's hit
+blocks are touched on its rank when it is admitted, and its blocks enter that rank's cache only
+when its prefill finishes there.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from typing import Any
 
@@ -35,7 +42,17 @@ import numpy as np
 from lbkit.core.validation import as_int_array, check_int
 from lbkit.sim.traces import MOONCAKE_BLOCK_TOKENS, Trace
 
-__all__ = ["apply_prefix_cache", "prefix_hit_blocks"]
+__all__ = [
+    "BYTES_PER_CACHED_BLOCK",
+    "DEFAULT_PREFILL_KV_BYTES",
+    "DSV3_KV_BYTES_PER_TOKEN",
+    "CacheStatistics",
+    "LocalPrefixCaches",
+    "RankCaches",
+    "apply_prefix_cache",
+    "capacity_blocks_for",
+    "prefix_hit_blocks",
+]
 
 
 def _prefix_hit_blocks_iv(
@@ -174,9 +191,336 @@ def apply_prefix_cache(
     >>> apply_prefix_cache(t, capacity_blocks=1).cached_tokens.tolist()
     [0, 512, 512]
     """
+    block_tokens = check_int(block_tokens, "block_tokens", min_value=1)
+    _check_trace_blocks(trace, block_tokens)
+    hits = prefix_hit_blocks(trace.hash_ids, trace.hash_offsets, capacity_blocks=capacity_blocks)
+    return trace.with_cached_tokens(np.minimum(hits * block_tokens, trace.total_tokens - 1))
+
+
+# --- local (per-rank) caches -------------------------------------------------------------------
+
+#: DeepSeek-V3 KV cache bytes per token (MLA, bf16): 61 layers x (512 + 64) values x 2 bytes.
+DSV3_KV_BYTES_PER_TOKEN = 61 * (512 + 64) * 2
+#: Default KV budget of one prefill rank (bytes), as ``lbkit.sim.engine.PREFILL_KV_CAPACITY_TOKENS``
+#: counts it: an H800's 80 GB minus 37 GB of DeepSeek-V3 FP8 weights (16.6 B replicated parameters
+#: plus 654 B routed-expert parameters over the 32 GPUs of DeepSeek's prefill unit) minus 8 GB of
+#: activations and communication buffers: 35 GB, i.e. 972 blocks of 512 tokens per rank.
+DEFAULT_PREFILL_KV_BYTES = 35 * 10**9
+#: Upper bound on the Python memory per cached (block, rank) pair: an ``OrderedDict`` entry plus
+#: a share of the block-to-ranks dictionary and of the id's int object. Measured with tracemalloc
+#: (``tests/sim/test_rank_caches.py``, 64 ranks): 186 bytes when each block is on one rank, 152 on
+#: two ranks, 125 on eight. The KV itself is not modelled.
+BYTES_PER_CACHED_BLOCK = 200
+
+
+def capacity_blocks_for(
+    kv_bytes: int = DEFAULT_PREFILL_KV_BYTES,
+    /,
+    *,
+    kv_bytes_per_token: int = DSV3_KV_BYTES_PER_TOKEN,
+    block_tokens: int = MOONCAKE_BLOCK_TOKENS,
+) -> int:
+    """Blocks of ``block_tokens`` tokens that fit in a rank's KV memory.
+
+    Parameters
+    ----------
+    kv_bytes : int, default :data:`DEFAULT_PREFILL_KV_BYTES` (35 GB)
+        KV cache memory of one rank, bytes.
+    kv_bytes_per_token : int, default 70,272
+        KV bytes per token (DeepSeek-V3 MLA in bf16: 61 x (512 + 64) x 2).
+    block_tokens : int, default 512
+        Tokens per block.
+
+    Returns
+    -------
+    int
+        ``floor(kv_bytes / (kv_bytes_per_token * block_tokens))``.
+
+    Runtime complexity: O(1).
+
+    Examples
+    --------
+    >>> capacity_blocks_for()
+    972
+    >>> capacity_blocks_for(80 * 10**9, kv_bytes_per_token=1024, block_tokens=16)
+    4882812
+    """
+    kv_bytes = check_int(kv_bytes, "kv_bytes", min_value=0)
+    per_token = check_int(kv_bytes_per_token, "kv_bytes_per_token", min_value=1)
+    block_tokens = check_int(block_tokens, "block_tokens", min_value=1)
+    return kv_bytes // (per_token * block_tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheStatistics:
+    """Counters of :class:`RankCaches`, arrays of shape ``(num_ranks,)`` (int64).
+
+    Attributes
+    ----------
+    lookups : ndarray
+        Admissions (:meth:`RankCaches.touch` calls) on each rank.
+    lookup_blocks : ndarray
+        Blocks of the admitted requests.
+    hit_blocks : ndarray
+        Of those, blocks found cached (the touched prefix).
+    insertions : ndarray
+        Blocks inserted by :meth:`RankCaches.insert`.
+    evictions : ndarray
+        Blocks evicted at capacity.
+    cached_blocks : ndarray
+        Blocks cached now.
+    """
+
+    lookups: np.ndarray
+    lookup_blocks: np.ndarray
+    hit_blocks: np.ndarray
+    insertions: np.ndarray
+    evictions: np.ndarray
+    cached_blocks: np.ndarray
+
+
+def _block_list(block_ids: Any) -> list[int]:
+    arr = np.asarray(block_ids)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise TypeError(
+            f"block_ids: must be a 1-d sequence of integer block ids, got shape {arr.shape} "
+            f"and dtype {arr.dtype}"
+        )
+    return arr.tolist()
+
+
+class RankCaches:
+    """Independent LRU caches of chained block ids, one per rank.
+
+    Each rank follows the model of :mod:`lbkit.sim.prefix_cache`: a request reuses the longest
+    prefix of its blocks cached on the rank, blocks are touched tail first (so each cache stays
+    prefix-closed and eviction trims prefixes from their end) and the least recently used block
+    is evicted when a rank holds more than ``capacity_blocks``.
+
+    Besides the per-rank ``OrderedDict``, a dictionary maps every cached block to the bitmask of
+    ranks holding it, so :meth:`hit_blocks` answers for all ranks in one walk of the prefix.
+
+    Parameters
+    ----------
+    num_ranks : int
+        Number of ranks, ``>= 1``.
+    capacity_blocks : int or None
+        Blocks each rank can hold (``0`` caches nothing); ``None`` is unbounded. See
+        :func:`capacity_blocks_for`.
+
+    Notes
+    -----
+    Memory: at most :data:`BYTES_PER_CACHED_BLOCK` (200) bytes of Python objects per cached block
+    and rank. Timing (``benchmarks/bench_sim_cache.py``): :meth:`hit_blocks` of a 30-block prompt
+    at 64 ranks, cached to a different depth on every rank, takes about 16 microseconds (9.7 at
+    8 ranks; touch plus insert of the same prompt: 31 microseconds).
+
+    Examples
+    --------
+    >>> c = RankCaches(2, capacity_blocks=3)
+    >>> c.insert(0, [7, 8, 9])
+    >>> c.insert(1, [7, 5])
+    >>> c.hit_blocks([7, 8, 6]).tolist()
+    [2, 1]
+    >>> c.touch(0, [7, 8, 6], 2)   # admitted on rank 0 with 2 hit blocks
+    >>> c.insert(0, [7, 8, 6])     # prefill finished: block 6 evicts 9, the least recent
+    >>> c.hit_blocks([7, 8, 9]).tolist(), c.statistics().evictions.tolist()
+    ([2, 1], [1, 0])
+    """
+
+    def __init__(self, num_ranks: int, /, *, capacity_blocks: int | None) -> None:
+        self._num_ranks = check_int(num_ranks, "num_ranks", min_value=1)
+        if capacity_blocks is not None:
+            capacity_blocks = check_int(capacity_blocks, "capacity_blocks", min_value=0)
+        self._capacity = capacity_blocks
+        self._lru: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(self._num_ranks)]
+        self._holders: dict[int, int] = {}  # block id -> bitmask of ranks caching it
+        self._all = (1 << self._num_ranks) - 1
+        self._nbytes = (self._num_ranks + 7) // 8
+        self._counts = np.zeros((5, self._num_ranks), dtype=np.int64)
+
+    @property
+    def num_ranks(self) -> int:
+        """Number of ranks."""
+        return self._num_ranks
+
+    @property
+    def capacity_blocks(self) -> int | None:
+        """Blocks per rank (``None``: unbounded)."""
+        return self._capacity
+
+    def _rank(self, rank: Any) -> int:
+        return check_int(rank, "rank", min_value=0, max_value=self._num_ranks - 1)
+
+    def hit_blocks(self, block_ids: Any, /) -> np.ndarray:
+        """Longest cached prefix of ``block_ids`` on every rank.
+
+        Parameters
+        ----------
+        block_ids : array_like of int, shape (m,)
+            A request's chained block ids.
+
+        Returns
+        -------
+        ndarray of int64, shape (num_ranks,)
+            Number of leading blocks cached on each rank (no LRU update).
+
+        Runtime complexity: O(m) dictionary look-ups plus O(k * num_ranks) numpy work for the
+        ``k <= m`` distinct rank sets met along the prefix.
+        """
+        return self._hits(_block_list(block_ids))
+
+    def _hits(self, ids: list[int]) -> np.ndarray:
+        holders = self._holders
+        mask = self._all
+        count = 0
+        runs_mask: list[int] = []
+        runs_count: list[int] = []
+        for b in ids:
+            m = mask & holders.get(b, 0)
+            if m != mask:
+                if count:
+                    runs_mask.append(mask)
+                    runs_count.append(count)
+                    count = 0
+                mask = m
+                if not m:
+                    break
+            count += 1
+        if count:
+            runs_mask.append(mask)
+            runs_count.append(count)
+        if not runs_mask:
+            return np.zeros(self._num_ranks, dtype=np.int64)
+        nbytes = self._nbytes
+        raw = b"".join(m.to_bytes(nbytes, "little") for m in runs_mask)
+        bits = np.unpackbits(
+            np.frombuffer(raw, dtype=np.uint8).reshape(len(runs_mask), nbytes),
+            axis=1,
+            bitorder="little",
+        )[:, : self._num_ranks]
+        return np.asarray(runs_count, dtype=np.int64) @ bits
+
+    def _hit_on(self, rank: int, ids: list[int]) -> int:
+        lru = self._lru[rank]
+        hit = 0
+        for b in ids:
+            if b not in lru:
+                break
+            hit += 1
+        return hit
+
+    def touch(self, rank: int, block_ids: Any, upto: int, /) -> None:
+        """Admission on ``rank``: make its ``upto`` hit blocks most recently used, tail first.
+
+        Counts one lookup of ``len(block_ids)`` blocks with ``upto`` hits in
+        :meth:`statistics`.
+
+        Parameters
+        ----------
+        rank : int
+            Rank in ``[0, num_ranks)``.
+        block_ids : array_like of int, shape (m,)
+            The request's chained block ids.
+        upto : int
+            Hit blocks to touch, ``0 <= upto <= m``; ``block_ids[:upto]`` must be cached on
+            ``rank`` (usually ``hit_blocks(block_ids)[rank]``).
+
+        Runtime complexity: O(upto).
+        """
+        rank = self._rank(rank)
+        ids = _block_list(block_ids)
+        upto = check_int(upto, "upto", min_value=0, max_value=len(ids))
+        lru = self._lru[rank]
+        for j in range(upto):
+            if ids[j] not in lru:
+                raise ValueError(
+                    f"upto: block {j} (id {ids[j]}) is not cached on rank {rank}; upto must not "
+                    f"exceed the cached prefix ({self._hit_on(rank, ids)} blocks)"
+                )
+        self._touch(rank, ids, upto)
+
+    def _touch(self, rank: int, ids: list[int], upto: int) -> None:
+        move = self._lru[rank].move_to_end
+        for j in range(upto - 1, -1, -1):
+            move(ids[j])
+        counts = self._counts
+        counts[0, rank] += 1
+        counts[1, rank] += len(ids)
+        counts[2, rank] += upto
+
+    def insert(self, rank: int, block_ids: Any, /) -> None:
+        """Cache all of ``block_ids`` on ``rank`` (a prefill finished there), tail first.
+
+        Cached blocks become most recently used, missing ones are inserted; past capacity the
+        least recently used block of the rank is evicted after each insertion.
+
+        Parameters
+        ----------
+        rank : int
+            Rank in ``[0, num_ranks)``.
+        block_ids : array_like of int, shape (m,)
+            The request's chained block ids.
+
+        Runtime complexity: O(m).
+        """
+        self._insert(self._rank(rank), _block_list(block_ids))
+
+    def _insert(self, rank: int, ids: list[int]) -> None:
+        lru = self._lru[rank]
+        holders = self._holders
+        bit = 1 << rank
+        capacity = self._capacity
+        inserted = evicted = 0
+        for b in reversed(ids):
+            if b in lru:
+                lru.move_to_end(b)
+                continue
+            lru[b] = None
+            holders[b] = holders.get(b, 0) | bit
+            inserted += 1
+            if capacity is not None and len(lru) > capacity:
+                old, _ = lru.popitem(last=False)
+                rest = holders[old] & ~bit
+                if rest:
+                    holders[old] = rest
+                else:
+                    del holders[old]
+                evicted += 1
+        self._counts[3, rank] += inserted
+        self._counts[4, rank] += evicted
+
+    def cached(self, rank: int, /) -> list[int]:
+        """Block ids cached on ``rank``, least recently used first.
+
+        Runtime complexity: O(cached blocks).
+        """
+        return list(self._lru[self._rank(rank)])
+
+    def statistics(self) -> CacheStatistics:
+        """Counters per rank (copies).
+
+        Runtime complexity: O(num_ranks).
+        """
+        c = self._counts.copy()
+        sizes = np.array([len(lru) for lru in self._lru], dtype=np.int64)
+        return CacheStatistics(c[0], c[1], c[2], c[3], c[4], sizes)
+
+    def _check(self) -> None:
+        """Assert the internal invariants (for tests)."""
+        total = 0
+        for r, lru in enumerate(self._lru):
+            assert self._capacity is None or len(lru) <= self._capacity
+            for b in lru:
+                assert self._holders[b] >> r & 1
+            total += len(lru)
+        assert total == sum(m.bit_count() for m in self._holders.values())
+        assert all(0 < m <= self._all for m in self._holders.values())
+
+
+def _check_trace_blocks(trace: Any, block_tokens: int) -> None:
     if not isinstance(trace, Trace):
         raise TypeError(f"trace: must be a Trace, got {type(trace).__name__}")
-    block_tokens = check_int(block_tokens, "block_tokens", min_value=1)
     if trace.hash_ids is None or trace.hash_offsets is None:
         raise ValueError(
             f"trace: {trace.source or 'this trace'} has no hash_ids; prefix caching needs "
@@ -191,5 +535,109 @@ def apply_prefix_cache(
             f"{trace.total_tokens[i]} tokens need ceil({trace.total_tokens[i]} / {block_tokens}) "
             f"= {need[i]}; is block_tokens right?"
         )
-    hits = prefix_hit_blocks(trace.hash_ids, trace.hash_offsets, capacity_blocks=capacity_blocks)
-    return trace.with_cached_tokens(np.minimum(hits * block_tokens, trace.total_tokens - 1))
+
+
+class LocalPrefixCaches:
+    """Per-rank prefix caches driven by a trace's block ids (the ``rank_cache`` engine hook).
+
+    Request ``i`` is the trace's row ``i``. The engine calls :meth:`hit_tokens` when it routes a
+    request, :meth:`admitted` once the request is placed (its hit blocks are touched on that
+    rank) and :meth:`finished` when its prefill completes (its blocks enter that rank's cache,
+    with LRU eviction at capacity).
+
+    Parameters
+    ----------
+    trace : Trace
+        Must have ``hash_ids``, ``ceil(total_tokens / block_tokens)`` per request.
+    num_ranks : int
+        Ranks (flat index), ``>= 1``.
+    capacity_blocks : int or None
+        Blocks per rank; ``None`` is unbounded. See :func:`capacity_blocks_for`.
+    block_tokens : int, default 512
+        Tokens per block.
+
+    Attributes
+    ----------
+    caches : RankCaches
+        The caches (counters in ``caches.statistics()``).
+
+    Examples
+    --------
+    >>> t = Trace(arrival_s=[0, 1, 2], total_tokens=[1024, 1500, 1024], output_tokens=[1, 1, 1],
+    ...           hash_ids=[7, 8, 7, 8, 9, 7, 8], hash_offsets=[0, 2, 5, 7])
+    >>> lc = LocalPrefixCaches(t, 2, capacity_blocks=None)
+    >>> lc.admitted(0, 1); lc.finished(0, 1)
+    >>> lc.hit_tokens(1).tolist()
+    [0, 1024]
+    >>> lc.admitted(1, 0); lc.admitted(2, 1)
+    >>> lc.cached_tokens.tolist(), lc.ranks.tolist()
+    ([0, 0, 1023], [1, 0, 1])
+    """
+
+    def __init__(
+        self,
+        trace: Trace,
+        num_ranks: int,
+        /,
+        *,
+        capacity_blocks: int | None,
+        block_tokens: int = MOONCAKE_BLOCK_TOKENS,
+    ) -> None:
+        block_tokens = check_int(block_tokens, "block_tokens", min_value=1)
+        _check_trace_blocks(trace, block_tokens)
+        self.caches = RankCaches(num_ranks, capacity_blocks=capacity_blocks)
+        self._block_tokens = block_tokens
+        self._n = len(trace)
+        self._flat: list[int] = trace.hash_ids.tolist()
+        self._bounds: list[int] = trace.hash_offsets.tolist()
+        self._max_cached = (trace.total_tokens - 1).tolist()
+        self._cached = np.zeros(self._n, dtype=np.int64)
+        self._ranks = np.full(self._n, -1, dtype=np.int64)
+
+    def _ids(self, request: Any) -> list[int]:
+        if not isinstance(request, (int, np.integer)) or not 0 <= request < self._n:
+            raise ValueError(f"request: must be an int in [0, {self._n}), got {request!r}")
+        return self._flat[self._bounds[request] : self._bounds[request + 1]]
+
+    def hit_tokens(self, request: int, /) -> np.ndarray:
+        """Cached prompt tokens of ``request`` on every rank now.
+
+        Returns
+        -------
+        ndarray of int64, shape (num_ranks,)
+            ``min(hit_blocks * block_tokens, total_tokens - 1)``.
+
+        Runtime complexity: as :meth:`RankCaches.hit_blocks`.
+        """
+        hits = self.caches._hits(self._ids(request)) * self._block_tokens
+        return np.minimum(hits, self._max_cached[request], out=hits)
+
+    def admitted(self, request: int, rank: int, /) -> None:
+        """``request`` was routed to ``rank``: record its hit and touch its hit blocks there.
+
+        Runtime complexity: O(blocks of the request).
+        """
+        ids = self._ids(request)
+        rank = self.caches._rank(rank)
+        hit = self.caches._hit_on(rank, ids)
+        self.caches._touch(rank, ids, hit)
+        self._cached[request] = min(hit * self._block_tokens, self._max_cached[request])
+        self._ranks[request] = rank
+
+    def finished(self, request: int, rank: int, /) -> None:
+        """The prefill of ``request`` completed on ``rank``: cache its blocks there.
+
+        Runtime complexity: O(blocks of the request).
+        """
+        ids = self._ids(request)
+        self.caches._insert(self.caches._rank(rank), ids)
+
+    @property
+    def cached_tokens(self) -> np.ndarray:
+        """ndarray of int64, shape (n,): each request's cached tokens at its last admission."""
+        return self._cached.copy()
+
+    @property
+    def ranks(self) -> np.ndarray:
+        """ndarray of int64, shape (n,): the rank of each request's last admission (-1: none)."""
+        return self._ranks.copy()
