@@ -515,6 +515,8 @@ def _goodput_table(r: dict[str, Any]) -> None:
 
 def _print_report(r: dict[str, Any], wall: float) -> None:
     w, o = r["workload"], r["options"]
+    if "goodput" in r:
+        _goodput_table({"goodput": r["goodput"], "ideal": r["ideal"], **r["goodput_details"]})
     print(
         f"lbkit bench: {w['source']}, {w['requests']:,} requests; prefill {o['prefill_engines']} "
         f"x {o['ranks_per_engine']} ranks at utilisation {o['utilization']:g} (arrivals x "

@@ -805,7 +805,8 @@ def _set_prefix(i: int, prefix: int, total: int, RI, RF, cost: QuadraticCost) ->
     RI[K.RI_PREFIX, i] = prefix
     RI[K.RI_REM, i] = rem
     RI[K.RI_UNCACHED, i] = rem
-    q = float(cost.quota(rem, prefix))
+    # cost.quota of one request, without its array validation (this runs once per admission).
+    q = rem * (cost.b + cost.k * prefix + cost.q * rem) + cost.gamma * prefix if rem > 0 else 0.0
     RF[K.RF_QREPORT, i] = q
     RF[K.RF_Q0, i] = q
 

@@ -9,6 +9,12 @@ then replays the decode pool at the rate found, fed by that run's handovers and 
 below that rate with both judged. Since a request that meets both parts meets the TTFT part,
 the result is the goodput with both parts judged.
 
+The SLO's slowdown denominator is a request's prefill time alone on an idle rank with the
+cached prefix it could have had: with ``cache="none"`` none, with ``"global"`` its hit in the
+shared cache, with ``"local"`` its longest hit on any rank when it was routed (a router that
+sends it elsewhere makes it wait for the tokens it recomputes; a prefix that no rank holds any
+more, or not yet, is not held against the router).
+
 :func:`ideal_goodput` does the same for the ideal late-binding reference
 (:mod:`lbkit.sim.ideal`), whose decode pool is fed by its own prefill ends.
 
@@ -17,9 +23,8 @@ cache shared by every rank, DeepSeek's design: a request's cached tokens are its
 trace's arrival order, :func:`lbkit.sim.prefix_cache.apply_prefix_cache`), ``"local"`` (each
 rank its own LRU cache of 512-token blocks, so that a request's cached tokens depend on where it
 is routed). A trace without block hashes has no prefix structure: its cached tokens are as the
-trace gives them in every mode but ``"none"``. The slowdown denominator of the SLO (a request's
-prefill time alone) and the ideal reference use the global cache's hits in both cached modes,
-so that they do not depend on the policy.
+trace gives them in every mode but ``"none"``. The ideal reference uses the global cache's hits
+in both cached modes (taken at arrival: an upper bound on what per-rank caches can hit).
 """
 
 from __future__ import annotations
@@ -246,12 +251,23 @@ def prefill_goodput(
 
     def prefill_at(rate: float) -> tuple[np.ndarray, np.ndarray, Trace]:
         t = with_rate(trace, rate)
-        extra = {"rank_cache": rank_cache(t)} if cache == "local" else {}
+        if cache != "local":
+            run = simulate_prefill(
+                t, policy, num_engines=e, ranks_per_engine=r, cost=cost.prefill,
+                budget_s=budget_s, rng=seed,
+            )  # fmt: skip
+            return run.ttft_s, alone, t
+        hook = _BestHit(rank_cache(t), len(t))
         run = simulate_prefill(
             t, policy, num_engines=e, ranks_per_engine=r, cost=cost.prefill, budget_s=budget_s,
-            rng=seed, **extra,
+            rng=seed, rank_cache=hook,
         )  # fmt: skip
-        return run.ttft_s, alone, t
+        best = t.with_cached_tokens(hook.best)
+        return (
+            run.ttft_s,
+            alone_s(best, ranks_per_engine=r, cost=cost.prefill, budget_s=budget_s),
+            t,
+        )
 
     return _search(
         prefill_at,
@@ -260,6 +276,26 @@ def prefill_goodput(
         start_rate=start_rate,
         rel_tol=rel_tol,
     )
+
+
+class _BestHit:
+    """The engine's ``rank_cache`` hook, recording each request's best hit over the ranks when it
+    was routed (the slowdown denominator of the SLO with per-rank caches)."""
+
+    def __init__(self, hook: Any, n: int) -> None:
+        self._hook = hook
+        self.best = np.zeros(n, dtype=np.int64)
+
+    def hit_tokens(self, request: int) -> np.ndarray:
+        hits = self._hook.hit_tokens(request)
+        self.best[request] = hits.max() if hits.shape[0] else 0
+        return hits
+
+    def admitted(self, request: int, rank: int) -> None:
+        self._hook.admitted(request, rank)
+
+    def finished(self, request: int, rank: int) -> None:
+        self._hook.finished(request, rank)
 
 
 def _decoder(cost: CostPreset, policy: str, engines: int, ranks: int, seed: int):

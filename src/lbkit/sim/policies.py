@@ -216,7 +216,9 @@ class LbkitPrefill:
 
     The balancer routes each request (``route``), learns its progress and completion from the
     events (``chunk_done``, ``finish``) and re-plans engines per bucket whenever a round is due
-    (``end_round``, checked at each arrival). It never reads the view.
+    (``end_round``, checked at each arrival). Of the view it reads only ``hit_tokens``: with
+    per-rank prefix caches it passes the least of a request's per-rank hits as its cached
+    tokens (the balancer is not cache-aware; with a global cache every rank's hit is the same).
 
     Parameters
     ----------
@@ -259,6 +261,12 @@ class LbkitPrefill:
         bal = self.balancer
         if bal.round_due(now_s):
             bal.end_round(now_s)
+        hit = getattr(view, "hit_tokens", None)
+        if hit is not None and hit.shape[0]:
+            # Per-rank caches: the balancer takes one cached figure per request, and the one it
+            # can count on wherever it routes is the least (its ledger never holds less work
+            # than the engine does; a request that hits more finishes early).
+            cached_tokens = int(hit.min())
         d = bal.route(request, total_tokens, cached_tokens, now_s=now_s)
         return -1 if d.rank < 0 else d.engine * self._r + d.rank
 
