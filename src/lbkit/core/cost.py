@@ -360,8 +360,10 @@ class QuadraticCost:
         return _scalar_or_array(c)
 
     def _total(self, c: np.ndarray, p: np.ndarray) -> np.ndarray:
+        """``predict`` of chunks ``c >= 1``, evaluated in the same order (bit-identical)."""
         cf = c.astype(np.float64)
-        return self.a + cf * (self.linear_s_per_token + self.k * p + self.q * cf) + self.gamma * p
+        w = cf * (self.b + self.k * p + self.q * cf) + self.gamma * p
+        return self.a + w + self.moe_s_per_token * cf
 
     @classmethod
     def fit(
