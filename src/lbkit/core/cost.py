@@ -250,7 +250,16 @@ class QuadraticCost:
         """
         c = _per_rank(chunk_tokens, "chunk_tokens")
         p = as_float_array(prefix_tokens, "prefix_tokens", nonnegative=True)
-        c, p = np.broadcast_arrays(c, p)
+        try:
+            fits = np.broadcast_shapes(c.shape, p.shape) == c.shape
+        except ValueError:
+            fits = False
+        if not fits:
+            raise ValueError(
+                f"prefix_tokens: must broadcast to the shape of chunk_tokens {c.shape}, "
+                f"got shape {p.shape}"
+            )
+        p = np.broadcast_to(p, c.shape)
         w = np.asarray(self.work(c, p), dtype=np.float64).reshape(c.shape[0], -1).sum(axis=1)
         return self.a + w + self.moe_s_per_token * c.sum() / c.shape[0]
 
@@ -557,9 +566,12 @@ class DecodeCost:
         if n.ndim != 1:
             raise ValueError(f"num_requests: must have shape (ranks,), got shape {n.shape}")
         s = as_float_array(kv_tokens, "kv_tokens", nonnegative=True)
-        n, s = np.broadcast_arrays(n, s)
-        if n.ndim != 1:
-            raise ValueError(f"kv_tokens: must broadcast to shape (ranks,), got shape {s.shape}")
+        if s.ndim > 1 or (s.ndim == 1 and s.shape != n.shape and s.shape != (1,)):
+            raise ValueError(
+                f"kv_tokens: must broadcast to the shape of num_requests {n.shape}, "
+                f"got shape {s.shape}"
+            )
+        s = np.broadcast_to(s, n.shape)
         return self.a + self._local(n, s) + self.moe_s_per_token * n.sum() / n.shape[0]
 
     def engine_step_s(self, num_requests: Any, kv_tokens: Any) -> float:
