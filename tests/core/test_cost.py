@@ -125,8 +125,11 @@ def test_fit_recovers_coefficients_within_two_percent(seed):
     p = np.round(np.exp(rng.uniform(0, np.log(131072), n))) * (rng.random(n) < 0.8)
     t = H800.predict(c, p) * np.exp(rng.normal(0.0, 0.03, n))
     fit = QuadraticCost.fit(c, p, t)
-    for name in ("a", "b", "k", "q"):
-        assert getattr(fit.cost, name) == pytest.approx(getattr(H800, name), rel=0.02), name
+    # Balanced steps only (predict): b takes all of the linear cost, b + b_moe * moe_lb.
+    expected = {"a": H800.a, "b": H800.linear_s_per_token, "k": H800.k, "q": H800.q}
+    for name, value in expected.items():
+        assert getattr(fit.cost, name) == pytest.approx(value, rel=0.02), name
+    assert fit.cost.b_moe == 0.0
     assert fit.num_samples == n
     assert 0.02 < fit.rel_rmse < 0.04
     assert fit.r_squared_log > 0.99
@@ -236,10 +239,14 @@ def test_decode_cost_combiners():
 def test_presets():
     h = preset("h800_dsv3")
     assert h.prefill.a == pytest.approx(0.010)
-    assert h.prefill.b == pytest.approx(146e-6)
+    # b is the local share; the balanced total b + b_moe * moe_lb keeps the derived 146 us/token.
+    assert h.prefill.b == pytest.approx(62.4e-6) and h.prefill.b_moe == pytest.approx(81.1e-6)
+    assert h.prefill.linear_s_per_token == pytest.approx(146e-6, rel=1e-3)
     assert h.prefill.k == pytest.approx(11.1e-9) and h.prefill.tied
     assert h.decode.a == pytest.approx(5e-3)
-    assert h.decode.b == pytest.approx(0.25e-3)
+    assert h.decode.b == pytest.approx(0.123e-3) and h.decode.b_moe == pytest.approx(0.124e-3)
+    assert h.decode.b + h.decode.moe_s_per_token == pytest.approx(0.25e-3, rel=3e-3)
+    assert h.prefill.moe_lb == h.decode.moe_lb == pytest.approx(1.03)
     assert h.decode.k == pytest.approx(23.4e-9)
     u = preset("unit").prefill
     # In the unit preset attention work (k*c*p) overtakes linear work (b*c) at p = 1000 cached

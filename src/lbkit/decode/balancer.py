@@ -121,8 +121,9 @@ class DecodeStatistics:
 
     Per rank: ``num_requests``, ``kv_tokens``, ``rank_state`` (``"active"``, ``"draining"``,
     ``"out"``). Balance over ranks in service (active or draining): ``count_imbalance`` and
-    ``kv_imbalance`` (max/mean, 1.0 when idle) and ``step_time_s`` (the slowest rank's modelled
-    step under ``cost``). ``over_capacity``: ranks whose KV grew past ``max_kv_tokens``.
+    ``kv_imbalance`` (max/mean, 1.0 when idle) and ``step_time_s`` (the modelled engine step
+    under ``cost``, ``DecodeCost.engine_step_s``: slowest rank plus the shared expert cost).
+    ``over_capacity``: ranks whose KV grew past ``max_kv_tokens``.
     Counters: ``running``, ``admitted``, ``refused`` (with ``refused_by_reason``), ``finished``,
     ``aborted``, ``handed_back``, ``steps``; reports ``reports_accepted``, ``reports_stale``,
     ``reports_corrected``; drift (reported minus ledger) of the last accepted report
@@ -705,7 +706,7 @@ class DecodeBalancer:
         if live.any():
             count_imb = float(max_over_mean(b[live].astype(np.float64)))
             kv_imb = float(max_over_mean(s[live].astype(np.float64)))
-            step = float(np.max(self._cost.step_time(b[live], s[live])))
+            step = self._cost.engine_step_s(b[live], s[live])
         else:
             count_imb = kv_imb = 1.0
             step = 0.0
@@ -800,7 +801,14 @@ class DecodeBalancer:
                 "max_batch": caps(X[K.ROW_CAP_B]),
                 "max_kv_tokens": caps(X[K.ROW_CAP_S]),
                 "scale": self._scale,
-                "cost": {"a": c.a, "b": c.b, "k": c.k, "combine": c.combine},
+                "cost": {
+                    "a": c.a,
+                    "b": c.b,
+                    "k": c.k,
+                    "combine": c.combine,
+                    "b_moe": c.b_moe,
+                    "moe_lb": c.moe_lb,
+                },
                 "lookahead_steps": self._h,
             },
             "state": {

@@ -12,6 +12,9 @@ If nothing fits, the head request still gets ``min_chunk`` tokens (or its whole 
 is smaller): the progress guarantee, so that a budget below one token's cost cannot stall the
 queue. The plan is flagged as a budget overrun when that chunk exceeds the budget (it always does
 with ``align = 1``; with ``align > 1`` a misaligned chunk that fits may have been left out).
+
+The rank plans for a balanced engine (``QuadraticCost.predict``): its tokens cost
+``b + b_moe * moe_lb`` each, the routed experts' share included.
 """
 
 from __future__ import annotations
@@ -47,8 +50,12 @@ class ChunkPlan(NamedTuple):
 
 
 def _work(cost: QuadraticCost, c: int, p: int) -> float:
-    # The formula of QuadraticCost.work, evaluated on Python scalars in the same order.
-    return c * (cost.b + cost.k * p + cost.q * c) + cost.gamma * p if c > 0 else 0.0
+    # A chunk's share of the step in a balanced engine (QuadraticCost.predict without ``a``):
+    # local work plus the routed experts' b_moe * moe_lb per token; with b_moe = 0 (b + 0.0 == b)
+    # the formula of QuadraticCost.work, evaluated on Python scalars in the same order.
+    return (
+        c * (cost.linear_s_per_token + cost.k * p + cost.q * c) + cost.gamma * p if c > 0 else 0.0
+    )
 
 
 def _plan_chunks_iv(remaining_tokens, prefix_tokens, cost, budget_s, min_chunk, align):
