@@ -166,11 +166,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--cache",
         choices=("none", "global", "local"),
-        default="local",
-        help="prefix caches of the prefill pool, driven by the trace's block hashes: local (each "
-        "rank its own LRU cache of 512-token blocks sized from its KV memory, the common vLLM "
-        "and SGLang deployment; the default), global (one cache shared by every rank, "
-        "DeepSeek's design) or none",
+        default="global",
+        help="prefix caches of the prefill pool, driven by the trace's block hashes: global (one "
+        "cache shared by every rank, DeepSeek's design; the default), local (each rank its own "
+        "LRU cache of 512-token blocks sized from its KV memory, the common vLLM and SGLang "
+        "deployment) or none",
     )
     p.add_argument(
         "--slo-ttft",
@@ -487,7 +487,7 @@ def _bucket_table(pre: dict[str, dict[str, Any]]) -> None:
 
 def _goodput_table(r: dict[str, Any]) -> None:
     """The headline: goodput at SLO per policy, with the ideal reference and the best peer."""
-    g = r["goodput"]
+    g = r
     slo = g["slo"]
     ideal = g["ideal"]
     rows = {name: dict(row) for name, row in g["goodput"].items()}

@@ -453,7 +453,7 @@ def scale_to_utilization(
 # ------------------------------------------------------------------------ prefill
 def _moe_s_per_token(cost: QuadraticCost) -> float:
     """Effective shared seconds per token, ``b_moe * moe_lb`` (0 for a cost without them)."""
-    return float(getattr(cost, "b_moe", 0.0)) * float(getattr(cost, "moe_lb", 1.0))
+    return cost.moe_s_per_token
 
 
 def _policy_of(policy: Any, table: Mapping[str, Callable[..., Any]], kind: str, *args, **kw):
@@ -998,7 +998,7 @@ def simulate_decode(
     span = max(stop - start, 1e-9)
     bin_s = 2.0 * max(stop, span) / K_BINS
     w0, w1 = (-np.inf, -np.inf) if window is None else window
-    moe = getattr(cost, "b_moe", 0.0) * getattr(cost, "moe_lb", 1.0)
+    moe = cost.moe_s_per_token
     D = np.array(
         [cost.a, cost.b, cost.k, 1.0 if cost.combine == "max" else 0.0, r, bin_s, w0, w1,
          lat, per_token, math.inf if mk is None else float(mk), 0.0, moe],

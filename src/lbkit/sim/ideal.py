@@ -308,7 +308,7 @@ def _params(cost: Any, budget_s: Any, min_chunk: Any, align: Any) -> np.ndarray:
     budget = check_real(budget_s, "budget_s", min_value=0.0, strict_min=True)
     min_chunk = check_int(min_chunk, "min_chunk", min_value=1)
     align = check_int(align, "align", min_value=1)
-    moe = float(getattr(cost, "b_moe", 0.0)) * float(getattr(cost, "moe_lb", 1.0))
+    moe = cost.moe_s_per_token
     P = np.zeros(_N_PARAMS)
     P[_A], P[_B_LOCAL], P[_K], P[_Q], P[_GAMMA] = cost.a, cost.b, cost.k, cost.q, cost.gamma
     P[_B_PLAN] = cost.b + moe
