@@ -12,7 +12,64 @@ import pytest
 from lbkit.cli import main
 
 FAST = ["--max-requests", "300", "--prefill-engines", "2", "--ranks-per-engine", "2",
-        "--decode-ranks", "4", "--no-eplb"]  # fmt: skip
+        "--decode-ranks", "4", "--decode-batch", "4", "--no-eplb", "--no-goodput"]  # fmt: skip
+#: The same with the goodput search, for a few policies (each search replays ~10 times).
+GOODPUT = [a for a in FAST if a != "--no-goodput"]
+
+
+def test_goodput_table_and_json(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    args = ["bench", *GOODPUT, "--policies", "round_robin,least_tokens,vllm,dynamo,lbkit",
+            "--json", str(out)]  # fmt: skip
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    first = text.splitlines()[0]
+    assert first.startswith("Goodput at SLO") and "cache global" in first
+    report = json.loads(out.read_text())
+    rows = report["goodput"]
+    assert list(rows) == ["round_robin", "least_tokens", "vllm", "dynamo", "lbkit"]
+    ideal = report["ideal"]["requests_per_s"]
+    best_peer = max(rows[n]["requests_per_s"] for n in ("vllm", "dynamo"))
+    for name, row in rows.items():
+        for key in ("requests_per_s", "vs_ideal", "vs_best_peer", "ttft_p99_s", "tpot_p99_s",
+                    "attainment"):  # fmt: skip
+            assert key in row, (name, key)
+        assert row["requests_per_s"] <= ideal
+        assert row["vs_ideal"] == pytest.approx(row["requests_per_s"] / ideal)
+        assert row["vs_best_peer"] == pytest.approx(row["requests_per_s"] / best_peer)
+        assert row["attainment"] >= 0.99
+        # the curve holds the evaluations; the goodput is the best passing rate found
+        passing = [r for r, a in row["curve"] if a >= 0.99]
+        assert row["requests_per_s"] in passing
+    assert report["options"]["slo"] == {"ttft_s": 2.0, "ttft_slowdown": 4.0, "tpot_s": 0.05,
+                                        "attainment": 0.99}  # fmt: skip
+    for m in report["decode"].values():
+        assert m["mean_running_per_rank"] > 0
+
+
+def test_slo_options_move_goodput(tmp_path):
+    """A looser TTFT objective can only raise goodput (each search is deterministic)."""
+    out = tmp_path / "r.json"
+    got = []
+    for ttft in ("2", "8"):
+        args = ["bench", *GOODPUT, "--policies", "least_tokens", "--slo-ttft", ttft,
+                "--attainment", "0.95", "--json", str(out)]  # fmt: skip
+        assert main(args) == 0
+        rep = json.loads(out.read_text())
+        assert rep["options"]["slo"]["ttft_s"] == float(ttft)
+        got.append(rep["ideal"]["requests_per_s"])
+    assert got[1] >= got[0] * 0.99  # within the search's 1% tolerance
+
+
+def test_local_caches(tmp_path):
+    out = tmp_path / "r.json"
+    args = ["bench", *GOODPUT, "--policies", "least_tokens,dynamo", "--cache", "local",
+            "--json", str(out)]  # fmt: skip
+    assert main(args) == 0
+    rep = json.loads(out.read_text())
+    assert rep["options"]["cache"] == "local"
+    for row in rep["goodput"].values():
+        assert 0.0 <= row["cached_share"] <= 1.0
 
 
 def test_tables_and_json(tmp_path, capsys):
@@ -28,6 +85,7 @@ def test_tables_and_json(tmp_path, capsys):
         assert f"{label} {m['requests']:,}" in title and f"{label} p50" in text
     assert set(report["prefill"]) >= {"round_robin", "lbkit", "lbkit_nobuckets", "least_tokens"}
     assert set(report["decode"]) >= {"round_robin", "least_kv", "lbkit"}
+    assert "goodput" not in report  # --no-goodput
 
 
 def test_decode_only_section(tmp_path, capsys):
@@ -35,7 +93,8 @@ def test_decode_only_section(tmp_path, capsys):
     args = ["bench", *FAST, "--policies", "least_kv,lbkit", "--decode-batch", "3", "--json"]
     assert main([*args, str(out)]) == 0
     assert "Decode-only replay at about 3 requests per rank" in capsys.readouterr().out
-    rep = json.loads(out.read_text())["decode_only"]
+    full = json.loads(out.read_text())
+    rep = {**full["decode_run"], "decode": full["decode"]}
     assert list(rep["decode"]) == ["least_kv", "lbkit"]
     assert rep["workload"]["batch_per_rank_target"] == 3.0
     for m in rep["decode"].values():
@@ -49,7 +108,8 @@ def test_decode_only_with_migration(tmp_path, capsys):
     assert main(args) == 0
     text = capsys.readouterr().out
     assert "lbkit_migrate: up to 2 move(s) every 0 s, KV transfer 1.76 us per token" in text
-    rep = json.loads(out.read_text())["decode_only"]
+    full = json.loads(out.read_text())
+    rep = {**full["decode_run"], "decode": full["decode"]}
     assert list(rep["decode"]) == ["lbkit", "lbkit_migrate"]
     mig = rep["options"]["migration"]
     assert mig["max_migrations"] == 2 and mig["s_per_kv_token"] == pytest.approx(70272 / 40e9)
@@ -117,7 +177,10 @@ def test_trace_file(tmp_path, capsys):
     [
         (["--trace", "/no/such/file.jsonl"], "trace file not found"),
         (["--utilization", "0"], "--utilization: must be a finite number > 0"),
-        (["--migrate-every", "0.1"], "--migrate-every: needs --decode-batch"),
+        (["--slo-ttft", "0"], "--slo-ttft: must be a finite number > 0"),
+        (["--slo-tpot", "inf"], "--slo-tpot: must be a finite number > 0"),
+        (["--slo-ttft-slowdown", "-1"], "--slo-ttft-slowdown: must be a finite number >= 0"),
+        (["--attainment", "1.5"], "--attainment: must be in (0, 1]"),
         (["--decode-batch", "4", "--migrate-every", "-1"], "--migrate-every: must be a finite"),
         (["--migration-gbps", "40"], "--migration-gbps: needs --migrate-every"),
         (
@@ -171,5 +234,6 @@ def test_help_explains_every_option(capsys):
     text = capsys.readouterr().out
     for opt in ("--trace", "--format", "--utilization", "--seed", "--prefill-engines",
                 "--ranks-per-engine", "--decode-ranks", "--policies", "--max-requests", "--json",
-                "--plot", "--decode-batch", "--work-sharing"):  # fmt: skip
+                "--plot", "--decode-batch", "--work-sharing", "--cache", "--slo-ttft",
+                "--slo-ttft-slowdown", "--slo-tpot", "--attainment", "--no-goodput"):  # fmt: skip
         assert opt in text

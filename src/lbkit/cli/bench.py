@@ -13,6 +13,9 @@ from typing import Any
 __all__ = ["add_parser", "run"]
 
 _PROGRESS_AFTER_S = 3.0
+#: Requests of the built-in workload that ``lbkit bench`` replays without ``--trace`` (each
+#: policy's goodput search replays them about ten times; ``--max-requests`` changes it).
+BUILTIN_REQUESTS = 6_000
 #: DeepSeek-V3's KV cache bytes per token (MLA latent 512 + RoPE key 64 values, 61 layers, BF16).
 KV_BYTES_PER_TOKEN = 61 * 576 * 2
 
@@ -23,13 +26,18 @@ def add_parser(sub: Any) -> None:
         "bench",
         help="simulate prefill and decode pools under every routing policy and compare them",
         description=(
-            "Replay a request trace through a simulated prefill pool and decode pool once per "
-            "routing policy (deterministic, seeded; see docs/simulator.md) and print one "
-            "comparison table per pool: balance efficiency (mean/max rank time per synchronous "
-            "step, 1.0 is perfect), TTFT and TPOT percentiles, finished and refused requests; "
-            "'*' marks the best value of each column. Without --trace, the built-in default "
-            "workload (20,000 requests, Mooncake-calibrated lengths with long-context shares) is "
-            "used. Also plans the built-in EPLB example with the greedy and default methods."
+            "Replay a request trace through a simulated prefill pool and decode pool "
+            "(deterministic, seeded; see docs/simulator.md). First, per prefill routing policy "
+            "(the baselines, the peers' rules of vLLM, SGLang, Dynamo and llm-d, and lbkit), its "
+            "goodput at SLO: the highest arrival rate at which --attainment of the requests meet "
+            "their TTFT and TPOT objectives, next to the ideal late-binding reference and the "
+            "best peer. Then diagnostics: balance efficiency (mean/max rank time per synchronous "
+            "step, 1.0 is perfect: a diagnostic, packing work onto fewer engines raises it), TTFT "
+            "percentiles at --utilization, and the decode policies replayed at a realistic batch "
+            "(--decode-batch); '*' marks the best value of each column. Without --trace, the "
+            "built-in workload (Mooncake-calibrated lengths with long-context shares, multi-turn "
+            "sessions and shared system prompts) is used. Also plans the built-in EPLB example "
+            "with the greedy and default methods."
         ),
     )
     p.add_argument(
@@ -87,7 +95,8 @@ def add_parser(sub: Any) -> None:
         "--max-requests",
         type=int,
         metavar="N",
-        help="replay only the first N requests of the trace",
+        help="replay only the first N requests of the trace (the built-in workload: generate N "
+        f"requests; default {BUILTIN_REQUESTS:,})",
     )
     p.add_argument(
         "--cost",
@@ -307,10 +316,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.trace is not None:
         trace = load_bench_trace(args.trace, format=args.format)
+        if args.max_requests is not None:
+            trace = trace.head(args.max_requests)
     else:
-        trace = default_workload(rng=args.seed)
-    if args.max_requests is not None:
-        trace = trace.head(args.max_requests)
+        trace = default_workload(num_requests=args.max_requests or BUILTIN_REQUESTS, rng=args.seed)
     pp = dp = None
     if args.policies is not None:
         names = [t.strip() for t in args.policies.split(",") if t.strip()]
@@ -610,23 +619,31 @@ def _plot(res: Any, path: Path) -> None:
         ) from None
     import numpy as np
 
-    from lbkit.sim.metrics import balance_series
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    report = res.report
+    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(13, 4.8))
+    if "goodput" in report:
+        rows = {"ideal": report["ideal"], **report["goodput"]}
+        for name, row in rows.items():
+            pts = sorted({r: a for r, a in row["curve"]}.items())
+            if pts:
+                x, y = zip(*pts, strict=True)
+                ax0.plot(x, y, marker=".", label=name, lw=2.0 if name in ("ideal", "lbkit") else 1)
+        target = report["options"]["slo"]["attainment"]
+        ax0.axhline(target, color="grey", ls=":", lw=1)
+        ax0.set_xscale("log")
+        ax0.set_xlabel("arrival rate (requests/s)")
+        ax0.set_ylabel("share of requests meeting the SLO")
+        ax0.set_title("SLO attainment against arrival rate")
+        ax0.legend(fontsize=7, ncol=2)
     for name, run in res.prefill_runs.items():
         ttft = np.sort(run.ttft_s[run.finished])
         if ttft.size:
             ax1.plot(ttft, np.arange(1, ttft.size + 1) / ttft.size, label=name)
-        t, eta = balance_series(run.bin_s, run.bin_mean_s, run.bin_max_s)
-        ax2.plot(t, eta, label=name)
     ax1.set_xscale("log")
     ax1.set_xlabel("TTFT (s)")
     ax1.set_ylabel("share of requests")
-    ax1.set_title("Prefill TTFT CDF")
-    ax2.set_xlabel("simulated time (s)")
-    ax2.set_ylabel("balance efficiency")
-    ax2.set_title("Prefill balance efficiency over time")
-    ax1.legend(fontsize=8)
+    ax1.set_title(f"Prefill TTFT CDF at utilisation {report['options']['utilization']:g}")
+    ax1.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
