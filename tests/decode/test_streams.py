@@ -9,7 +9,7 @@ step times modelled by the ``h800_dsv3`` decode preset with ``combine="max"``.
 from __future__ import annotations
 
 import numpy as np
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from lbkit.core import PRESETS
@@ -23,6 +23,16 @@ BASELINES = ("round_robin", "least_requests", "least_kv", "random")
 #: term is small), and ``least_kv`` keeps them away. Averaged over streams the default wins
 #: (``test_on_average_the_default_is_the_most_efficient_policy``).
 EFFICIENCY_TOL = 0.05
+#: Relative tolerance of the per-stream KV comparison with ``least_requests``. Both replays hold the
+#: same KV in total at every step (departures and growth do not depend on the placement), so the
+#: ratio of the two KV imbalances is the ratio of ``sum_t max_r S_r``. It is not always <= 1: with
+#: few requests per rank and heavy tails one long request is a large part of a rank's KV, lands on
+#: the lightest rank and keeps it the heaviest while its co-residents stay; a better balanced engine
+#: has a heavier lightest rank, and ``least_requests``, whose KV is spread wide, sometimes leaves a
+#: lighter one. Measured: the default's ratio was at most 1.0144 on 3,000 streams of a targeted
+#: search (``hypothesis.target``) over this strategy, while ``least_requests``' KV imbalance exceeds
+#: the default's by 21.5% in the median (7.3% at the 5% quantile) of 2,000 random streams.
+KV_REL_TOL = 0.03
 
 
 @given(
@@ -32,6 +42,13 @@ EFFICIENCY_TOL = 0.05
     rate=st.floats(1.0, 12.0),
     kv_median=st.sampled_from([500.0, 3000.0, 8000.0, 30000.0]),
 )
+# Streams where least_requests' KV imbalance is below the default's (ratios 1.0015, 1.0144 and
+# 1.0116; 94, 73 and 298 requests in flight on average), and the closest count comparison found
+# (least_kv's count imbalance 0.0185 above the default's).
+@example(seed=491, ranks=8, sigma=1.0, rate=1.359375, kv_median=500.0)
+@example(seed=1487799822, ranks=16, sigma=1.8, rate=1.0, kv_median=3000.0)
+@example(seed=8482, ranks=16, sigma=1.9082320845023146, rate=4.5839229414987965, kv_median=30000.0)
+@example(seed=21059782, ranks=4, sigma=0.8, rate=1.0, kv_median=8000.0)
 def test_default_balances_both_dimensions_better_than_either_single_dimension_baseline(
     seed, ranks, sigma, rate, kv_median
 ):
@@ -42,7 +59,7 @@ def test_default_balances_both_dimensions_better_than_either_single_dimension_ba
     by_count = replay(stream, ranks, "least_requests", cost=COST)
     by_kv = replay(stream, ranks, "least_kv", cost=COST)
     assert default.count_imbalance <= by_kv.count_imbalance + 1e-12
-    assert default.kv_imbalance <= by_count.kv_imbalance + 1e-12
+    assert default.kv_imbalance <= by_count.kv_imbalance * (1.0 + KV_REL_TOL)
     assert default.refused == by_count.refused == by_kv.refused == 0
 
 
