@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lbkit.core import PRESETS
+from lbkit.core.cost import QuadraticCost
 from lbkit.sim import simulate_prefill
 from lbkit.sim.goodput import Slo, attainment, find_goodput, rate_of, slo_met, with_rate
 from lbkit.sim.goodput_bench import ideal_goodput, prefill_goodput, prepare_cache
@@ -98,11 +99,14 @@ def _model_ideal(trace, engines, ranks, cost, budget, deadline=None, level=False
     rem = (trace.total_tokens - trace.cached_tokens).astype(int).tolist()
     pref = trace.cached_tokens.astype(int).tolist()
     key = list(range(n)) if deadline is None else list(deadline)
-    moe = 0.0
+    moe = cost.moe_s_per_token
     b_plan = cost.b + moe
 
     def plan(c, p):
         return 0.0 if c <= 0 else c * (b_plan + cost.k * p + cost.q * c) + cost.gamma * p
+
+    def work(c, p):  # the rank's local work (the shared expert work is added per step)
+        return 0.0 if c <= 0 else c * (cost.b + cost.k * p + cost.q * c) + cost.gamma * p
 
     def fit(room, r, p):
         c = 0
@@ -164,7 +168,7 @@ def _model_ideal(trace, engines, ranks, cost, budget, deadline=None, level=False
                         continue
                     c = min(1, rem[i])
                 planned[best] += plan(c, pref[i])
-                local[best] += plan(c, pref[i])
+                local[best] += work(c, pref[i])
                 toks[best] += c
                 if h >= 0:
                     queue.pop(0)
@@ -188,8 +192,9 @@ def _model_ideal(trace, engines, ranks, cost, budget, deadline=None, level=False
 
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10_000), engines=st.integers(1, 3), ranks=st.integers(1, 3),
-       edf=st.booleans(), level=st.booleans())  # fmt: skip
-def test_ideal_kernel_matches_model(seed, engines, ranks, edf, level):
+       edf=st.booleans(), level=st.booleans(), moe=st.sampled_from([0.0, 0.6]))  # fmt: skip
+def test_ideal_kernel_matches_model(seed, engines, ranks, edf, level, moe):
+    cost = QuadraticCost(a=1.0, b=1.0 - moe, k=0.001, q=0.0005, b_moe=moe / 1.05, moe_lb=1.05)
     rng = np.random.default_rng(seed)
     n = int(rng.integers(1, 14))
     arrival = np.sort(rng.integers(0, 40, n)).astype(float) * 50.0
@@ -198,20 +203,31 @@ def test_ideal_kernel_matches_model(seed, engines, ranks, edf, level):
     t = Trace(arrival_s=arrival, total_tokens=total, output_tokens=np.ones(n, dtype=np.int64),
               cached_tokens=cached)  # fmt: skip
     deadline = arrival + rng.uniform(0, 3000, n) if edf else None
-    run = simulate_ideal_prefill(t, num_engines=engines, ranks_per_engine=ranks, cost=UNIT,
+    run = simulate_ideal_prefill(t, num_engines=engines, ranks_per_engine=ranks, cost=cost,
                                  budget_s=1500.0, deadline_s=deadline, level=level)  # fmt: skip
-    want = _model_ideal(t, engines, ranks, UNIT, 1500.0, deadline, level)
+    want = _model_ideal(t, engines, ranks, cost, 1500.0, deadline, level)
     np.testing.assert_allclose(run.finish_s, want, rtol=1e-12)
     assert np.isfinite(run.finish_s).all()  # nothing refused, nothing lost
-    assert (run.ttft_s >= alone_s(t, ranks_per_engine=ranks, cost=UNIT, budget_s=1500.0)
+    assert (run.ttft_s >= alone_s(t, ranks_per_engine=ranks, cost=cost, budget_s=1500.0)
             - 1e-9).all()  # fmt: skip
 
 
 def test_alone_matches_the_engine():
     t = default_workload(num_requests=400, rng=3)
-    cost = PRESETS["h800_dsv3"].prefill
+    cost = PRESETS["h800_dsv3"].prefill  # with shared expert work (b_moe > 0)
+    assert cost.moe_s_per_token > 0
     run = simulate_prefill(t, "least_tokens", num_engines=2, ranks_per_engine=4, cost=cost)
-    np.testing.assert_array_equal(alone_s(t, ranks_per_engine=4, cost=cost), run.alone_s)
+    np.testing.assert_allclose(alone_s(t, ranks_per_engine=4, cost=cost), run.alone_s,
+                               rtol=1e-12)  # fmt: skip
+
+
+def test_goodput_is_deterministic():
+    preset = PRESETS["h800_dsv3"]
+    trace = prepare_cache(default_workload(num_requests=400, rng=5), "global")
+    kw = dict(cost=preset, num_engines=2, ranks_per_engine=2, decode_ranks=4, start_rate=0.5)
+    a = prefill_goodput(trace, "power_of_two", **kw, seed=3)
+    b = prefill_goodput(trace, "power_of_two", **kw, seed=3)
+    assert a.search == b.search and a.metrics == b.metrics
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
