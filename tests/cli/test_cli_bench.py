@@ -61,6 +61,14 @@ def test_slo_options_move_goodput(tmp_path):
     assert got[1] >= got[0] * 0.99  # within the search's 1% tolerance
 
 
+def test_plot_of_attainment_against_rate(tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "g.png"
+    args = ["bench", *GOODPUT, "--policies", "least_tokens,lbkit", "--plot", str(png)]
+    assert main(args) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
 def test_local_caches(tmp_path):
     out = tmp_path / "r.json"
     args = ["bench", *GOODPUT, "--policies", "least_tokens,dynamo", "--cache", "local",
