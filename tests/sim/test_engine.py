@@ -118,7 +118,10 @@ def test_utilization_scaling_meets_its_definition():
     f = utilization_factor(t, 0.7, num_ranks=8, cost=H800.prefill)
     scaled, f2 = scale_to_utilization(t, 0.7, num_ranks=8, cost=H800.prefill)
     assert f == f2
-    work = H800.prefill.quota(t.total_tokens - t.cached_tokens, t.cached_tokens).sum()
+    # Offered work in rank-seconds: the local quota plus the shared expert work of every token.
+    uncached = t.total_tokens - t.cached_tokens
+    work = H800.prefill.quota(uncached, t.cached_tokens).sum()
+    work += H800.prefill.moe_s_per_token * uncached.sum()
     assert work / (scaled.arrival_s[-1] * 8) == pytest.approx(0.7)
 
 

@@ -26,24 +26,14 @@ from lbkit.sim.metrics import prefill_metrics
 from lbkit.sim.traces import Trace
 from lbkit.sim.workload import synthetic_trace
 
-H800 = PRESETS["h800_dsv3"].prefill
-
-
-@dataclasses.dataclass(frozen=True)
-class _MoeCost(QuadraticCost):
-    """A QuadraticCost carrying the shared-expert fields (for a cost class without them)."""
-
-    b_moe: float = 0.0
-    moe_lb: float = 1.0
+_PRESET = PRESETS["h800_dsv3"].prefill
+#: The preset's totals in the old form (every linear cost local, no shared expert work).
+H800 = QuadraticCost(a=_PRESET.a, b=_PRESET.linear_s_per_token, k=_PRESET.k, q=_PRESET.q)
 
 
 def moe_cost(base: QuadraticCost, b_moe: float, moe_lb: float = 1.0) -> QuadraticCost:
     """``base`` with shared expert work ``b_moe * moe_lb`` seconds per token."""
-    try:
-        return dataclasses.replace(base, b_moe=b_moe, moe_lb=moe_lb)
-    except TypeError:  # lbkit.core.cost without the fields yet
-        fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
-        return _MoeCost(**fields, b_moe=b_moe, moe_lb=moe_lb)
+    return dataclasses.replace(base, b_moe=b_moe, moe_lb=moe_lb)
 
 
 class Fixed:
@@ -67,7 +57,7 @@ def test_hand_computed_two_rank_timeline_with_shared_work():
     # request 1 (10 tokens) on rank 1, both at t = 0.
     # Step 1: chunks 33 and 10, shared 2 * 43 / 2 = 43: T = (1 + 33 + 43, 1 + 10 + 43) = (77, 54).
     # Step 2 at 77: rank 0 the last 17 tokens, rank 1 idle; shared 17: T = (35, 17).
-    cost = moe_cost(QuadraticCost(a=1.0, b=1.0, k=0.0, q=0.0), b_moe=2.5, moe_lb=0.8)
+    cost = moe_cost(QuadraticCost(a=1.0, b=1.0, k=0.0, q=0.0), b_moe=2.0, moe_lb=1.0)
     t = Trace(arrival_s=[0.0, 0.0], total_tokens=[50, 10], output_tokens=[1, 1])
     run = simulate_prefill(t, Fixed([0, 1]), num_engines=1, ranks_per_engine=2, cost=cost,
                            budget_s=100.0)  # fmt: skip

@@ -32,6 +32,21 @@ def test_slo_met_by_hand():
     assert attainment(ttft, alone, tpot, slo=slo) == pytest.approx(2 / 5)
 
 
+@settings(max_examples=50, deadline=None)
+@given(seed=st.integers(0, 10_000), loose=st.floats(1.0, 4.0))
+def test_a_looser_slo_is_met_by_at_least_as_many(seed, loose):
+    rng = np.random.default_rng(seed)
+    ttft, alone, tpot = (
+        rng.exponential(2.0, 50),
+        rng.exponential(0.5, 50),
+        rng.exponential(0.04, 50),
+    )
+    strict = Slo()
+    wide = Slo(ttft_s=2.0 * loose, ttft_slowdown=4.0 * loose, tpot_s=0.05 * loose)
+    a, b = slo_met(ttft, alone, tpot, slo=strict), slo_met(ttft, alone, tpot, slo=wide)
+    assert (b | ~a).all()  # every request meeting the strict SLO meets the looser one
+
+
 def test_slo_validation():
     with pytest.raises(ValueError, match="ttft_s: must be > 0"):
         Slo(ttft_s=0.0)
