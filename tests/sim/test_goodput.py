@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from lbkit.sim import simulate_prefill
 from lbkit.sim.goodput import Slo, attainment, find_goodput, rate_of, slo_met, with_rate
 from lbkit.sim.goodput_bench import ideal_goodput, prefill_goodput, prepare_cache
 from lbkit.sim.ideal import alone_s, simulate_ideal_prefill
-from lbkit.sim.traces import Trace
+from lbkit.sim.traces import Trace, load_azure
 from lbkit.sim.workload import default_workload
 
 UNIT = PRESETS["unit"].prefill
@@ -245,16 +246,24 @@ def test_goodput_is_deterministic():
     assert a.search == b.search and a.metrics == b.metrics
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+AZURE_SMALL = Path(__file__).parent / "data" / "azure_small.csv"
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, "azure"])
 def test_ideal_goodput_is_at_least_every_policys(seed):
-    """On small seeded cases the ideal reference serves at least the rate of every policy (a
-    FIFO central queue would not: see lbkit.sim.ideal)."""
+    """On small seeded cases (and a short-prompt trace) the ideal reference serves at least the
+    rate of every policy (a FIFO central queue, or steps filled to the budget, would not: see
+    lbkit.sim.ideal)."""
     preset = PRESETS["h800_dsv3"]
-    trace = prepare_cache(default_workload(num_requests=1500, rng=seed), "none")
+    if seed == "azure":
+        trace = load_azure(AZURE_SMALL)
+    else:
+        trace = prepare_cache(default_workload(num_requests=1500, rng=seed), "none")
     kw = dict(cost=preset, num_engines=2, ranks_per_engine=4, decode_ranks=8, rel_tol=0.02)
     ideal = ideal_goodput(trace, start_rate=1.0, **kw)
     assert ideal.search.bracketed and ideal.search.requests_per_s > 0
-    for policy in ("round_robin", "least_requests", "least_tokens", "lbkit_nobuckets", "lbkit"):
+    for policy in ("round_robin", "least_requests", "least_tokens", "lbkit_nobuckets", "lbkit",
+                   "vllm", "dynamo"):  # fmt: skip
         got = prefill_goodput(trace, policy, start_rate=ideal.search.requests_per_s, cache="none",
                               **kw)  # fmt: skip
         assert got.search.requests_per_s <= ideal.search.requests_per_s, policy
