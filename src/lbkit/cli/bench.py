@@ -579,15 +579,22 @@ def _print_report(r: dict[str, Any], wall: float) -> None:
             ("count_imbalance", "count imb", "r", "min"),
             ("kv_imbalance", "KV imb", "r", "min"),
             ("count_imbalance_floor", "count floor", "r", ""),
-            ("batch_per_rank_mean", "batch/rank", "x", ""),
+            ("mean_running_per_rank", "running/rank", "x", ""),
             ("tpot_p99_s", "TPOT p99", "ms", "min"),
         ]
         if mig is not None:
             cols.append(("migrations", "moves", "n", ""))
+        bound = " (the KV capacity bounds the batch)" if w.get("capacity_bound") else ""
+        verdict = (
+            "meaningful: every policy's ranks run 32-128 requests"
+            if d.get("meaningful")
+            else "NOT MEANINGFUL as a decode comparison: ranks run outside 32-128 requests"
+        )
         _table(
-            f"Decode-only replay at about {w['batch_per_rank_target']:g} requests per rank "
-            f"(arrivals x {w['time_scale']:.4g}; steady window: steps from "
-            f"{first['start_s']:.0f} s to {first['stop_s']:.0f} s; TPOT in ms{note})",
+            f"Decode-only replay at about {w['batch_per_rank_target']:g} requests per rank"
+            f"{bound} (arrivals x {w['time_scale']:.4g}; steady window: steps from "
+            f"{first['start_s']:.0f} s to {first['stop_s']:.0f} s; TPOT in ms, waits under "
+            f"back-pressure included{note}; {verdict})",
             rows,
             cols,
         )
