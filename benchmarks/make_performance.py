@@ -56,6 +56,22 @@ TABLE_SCRIPTS = (
     ("Trace replay (simulator)", "sim_targets.py", (), "sim_targets.json"),
 )
 
+#: The goodput section, first after the method: (title, script, arguments, results file).
+GOODPUT = (
+    "Goodput at SLO",
+    "goodput_world.py",
+    (),
+    "goodput_world.json",
+)
+#: Cache modes of the goodput tables, in column order.
+GOODPUT_CACHES = ("none", "global", "local")
+#: Trace names of the goodput tables.
+GOODPUT_TRACES = {
+    "mooncake": "Mooncake conversation trace",
+    "azure": "Azure 2023 conversation trace",
+    "default": "built-in workload",
+}
+
 #: Results rendered but not re-run here (the run takes hours): (title, script, arguments, file).
 KEPT_RESULTS = (
     (
@@ -66,7 +82,7 @@ KEPT_RESULTS = (
     ),
 )
 
-__all__ = ["main", "render", "splice", "splice_docs"]
+__all__ = ["goodput_tables", "main", "render", "splice", "splice_docs"]
 
 
 def run_benchmarks() -> None:
@@ -87,7 +103,7 @@ def run_benchmarks() -> None:
     ]
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, cwd=ROOT, check=True)
-    for _, script, extra, out in TABLE_SCRIPTS:
+    for _, script, extra, out in (GOODPUT, *TABLE_SCRIPTS):
         path = ROOT / "benchmarks" / script
         if path.exists():
             cmd = [sys.executable, str(path), *extra, "--json", str(RESULTS / out)]
@@ -174,7 +190,7 @@ SPLICE = re.compile(
 
 def _quoted(file: str, title: str, filters: str | None, results: Path) -> list[str]:
     data = json.loads((results / file).read_text())
-    table = next((t for t in data.get("tables", []) if t["title"] == title), None)
+    table = next((t for t in _table_list(data) if t["title"] == title), None)
     if table is None:
         raise KeyError(f"{file}: no table titled {title!r}")
     cols, rows = table["columns"], table["rows"]
@@ -207,6 +223,100 @@ def splice_docs(results: Path = RESULTS) -> list[Path]:
             page.write_text(new)
             changed.append(page)
     return changed
+
+
+def goodput_tables(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """One table per trace of a ``goodput_world.py`` result: rows = the ideal reference and
+    every policy, columns = goodput (requests/s) and its ratio to the ideal per cache mode."""
+    tables = []
+    for trace, label in GOODPUT_TRACES.items():
+        by_cache = {s["cache"]: s for s in data.get("scenarios", []) if s["trace"] == trace}
+        modes = [c for c in GOODPUT_CACHES if c in by_cache]
+        if not modes:
+            continue
+        first = by_cache[modes[0]]
+        names = list(first["result"]["goodput"])
+        peers = data.get("options", {}).get("peers", [])
+        cols = ["policy"]
+        for c in modes:
+            cols += [f"{c}: req/s", f"{c}: vs ideal"]
+        rows = []
+        for name in ["ideal", *names]:
+            row: list[Any] = [name]
+            for c in modes:
+                res = by_cache[c]["result"]
+                r = res["ideal"] if name == "ideal" else res["goodput"].get(name, {})
+                rate, ratio = r.get("requests_per_s"), r.get("vs_ideal")
+                row += [None if rate is None else round(rate, 3),
+                        None if ratio is None else round(ratio, 3)]  # fmt: skip
+            rows.append(row)
+        best, best_names = ["best peer"], []
+        for c in modes:
+            g = by_cache[c]["result"]["goodput"]
+            top = max((p for p in peers if p in g), key=lambda p: g[p]["requests_per_s"],
+                      default=None)  # fmt: skip
+            best += [None, None] if top is None else [round(g[top]["requests_per_s"], 3),
+                                                      round(g[top]["vs_ideal"], 3)]  # fmt: skip
+            best_names.append(f"{c}: {top}")
+        rows.append(best)
+        same = [s for s in by_cache.values() if s.get("same_as")]
+        note = (
+            f"{first['requests']:,} requests; wall time per cache mode: "
+            + ", ".join(f"{c} {by_cache[c]['wall_s']:,.0f} s" for c in modes)
+            + f". Best peer ({', '.join(peers)}) per mode: {'; '.join(best_names)}."
+        )
+        if same:
+            note += (
+                " The trace has no block hashes: cache modes "
+                + ", ".join(same[0]["same_as"])
+                + " are the same run as none."
+            )
+        tables.append({"title": f"Goodput at SLO: {label}", "note": note, "columns": cols,
+                       "rows": rows})  # fmt: skip
+    return tables
+
+
+def _table_list(data: dict[str, Any]) -> list[dict[str, Any]]:
+    return data["tables"] if "tables" in data else goodput_tables(data)
+
+
+def _goodput_section(data: dict[str, Any]) -> list[str]:
+    o = data["options"]
+    slo = o["slo"]
+    capped = o.get("workload_max_requests")
+    lines = [
+        f"## {GOODPUT[0]}",
+        "",
+        f"Measured by `{data['command']}` on {data['machine']['cpu_count']} cores shared with "
+        f"other work (load average {data['machine']['load_avg_start'][0]:g} at the start, "
+        f"{data['machine']['load_avg_end'][0]:g} at the end), {data['wall_s'] / 60:.0f} minutes "
+        f"in all; started {data['started']}.",
+        "",
+        "Goodput = the highest arrival rate (requests/s; the trace time-scaled) at which "
+        f"{slo['attainment']:.0%} of requests meet the SLO: TTFT <= max({slo['ttft_s']:g} s, "
+        f"{slo['ttft_slowdown']:g} x the prefill time alone on an idle rank with the cached "
+        f"prefix it could have had) and TPOT <= {slo['tpot_s'] * 1e3:g} ms "
+        "(`lbkit.sim.goodput_bench.run_goodput`). Pools: prefill "
+        f"{o['prefill']} ranks, decode {o['decode']} ranks (routed by lbkit); cost preset "
+        f"`{o['cost']}`; seed {o['seed']}. Ideal = late binding: one central queue served in "
+        "SLO-deadline order: an engine that is idle starts a step and fills its ranks from the "
+        "queue (`lbkit.sim.ideal`), with the global cache's hits in both cached modes. "
+        "Attainment is not monotone in the rate on a finite trace, so the bisection can stop "
+        "at a different crossing for each policy: ratios near 1 are within that noise, and a "
+        "policy can show slightly more than 1. Cache modes: none; global (one LRU cache shared by "
+        "the pool); local (each prefill rank its own LRU cache of "
+        f"{o['local_capacity_blocks']:,} blocks of 512 tokens, `capacity_blocks_for()`). "
+        "A goodput of 0 means no rate searched met the SLO.",
+        "",
+    ]
+    if capped:
+        lines += [
+            f"The built-in workload is cut to its first {capped:,} requests "
+            "(`--workload-max-requests`) to keep the run within about half an hour on this "
+            "machine.",
+            "",
+        ]
+    return lines + _tables({"tables": goodput_tables(data)})
 
 
 def _tables(data: dict[str, Any]) -> list[str]:
@@ -250,6 +360,9 @@ def render() -> str:
         f"{os.cpu_count()} cores.",
         "",
     ]
+    goodput = RESULTS / GOODPUT[3]
+    if goodput.exists():
+        lines += _goodput_section(json.loads(goodput.read_text()))
     for title, script, extra, out in TABLE_SCRIPTS:
         path = RESULTS / out
         if path.exists():
