@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lbkit.core import PRESETS
-from lbkit.sim import _kernels
-from lbkit.sim.engine import scale_to_utilization, simulate_decode, simulate_prefill
+from lbkit.sim.engine import scale_to_utilization, simulate_decode, simulate_prefill, warmup
 from lbkit.sim.policies import PREFILL_POLICIES
 from lbkit.sim.policies_decode import DECODE_POLICIES
 from lbkit.sim.workload import default_workload
@@ -17,7 +16,7 @@ N = 2000
 
 @pytest.fixture(scope="module")
 def trace():
-    _kernels.warmup()
+    warmup()
     return scale_to_utilization(default_workload(num_requests=N), 0.8, num_ranks=64,
                                 cost=COST.prefill)[0]  # fmt: skip
 

@@ -13,7 +13,7 @@ _KERNEL_MODULES = {
     "prefill": ("_kernels",),
     "decode": ("_kernels",),
     "eplb": ("_kernels", "_replan_kernels"),
-    "sim": ("_kernels",),
+    "sim": ("engine",),
 }
 _KERNEL_PACKAGES = tuple(_KERNEL_MODULES)
 

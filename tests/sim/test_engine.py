@@ -16,6 +16,7 @@ from lbkit.sim.engine import (
     simulate_prefill,
     utilization_factor,
 )
+from lbkit.sim.engine import warmup as engine_warmup
 from lbkit.sim.metrics import decode_metrics, prefill_metrics
 from lbkit.sim.traces import Trace
 from lbkit.sim.workload import synthetic_trace
@@ -183,4 +184,4 @@ def test_jit_parity_of_a_whole_replay(monkeypatch):
 
 
 def test_warmup_runs():
-    K.warmup()
+    engine_warmup()

@@ -11,7 +11,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lbkit.sim._kernels import EV_FINISH, EV_PROGRESS
 from lbkit.sim.peers import (
     PEER_POLICIES,
     Dynamo,
@@ -22,6 +21,7 @@ from lbkit.sim.peers import (
     VllmKv,
 )
 from lbkit.sim.peers_common import PrefixIndex
+from lbkit.sim.protocol import EV_FINISH, EV_PROGRESS
 
 NAMES = (
     "vllm",

@@ -54,6 +54,7 @@ import math
 import numpy as np
 
 from lbkit.core._jit import jit
+from lbkit.sim.protocol import EV_FINISH, EV_MOVE, EV_PROGRESS
 
 __all__ = [
     "decode_admit",
@@ -62,7 +63,6 @@ __all__ = [
     "prefill_admit",
     "prefill_advance",
     "prefill_alone",
-    "warmup",
 ]
 
 # ---------------------------------------------------------------- prefill layout
@@ -102,7 +102,6 @@ N_BIN = 2
 KS_STEPS, KS_MEAN, KS_MAX = 0, 1, 2
 N_KS = 3
 
-EV_FINISH, EV_PROGRESS, EV_MOVE = 0, 1, 2
 
 # ---------------------------------------------------------------- decode layout
 DI_RANK, DI_LEFT, DI_KV, DI_NEXT, DI_POS = 0, 1, 2, 3, 4
@@ -1038,27 +1037,3 @@ def decode_advance(t_until, DI, DF, DK, DE, ACT, D, ACC, BINS, EVR):
             last_t = best_t
             if nev > before:  # preempted: the caller queues them before any later offer
                 return nev, 0, last_t
-
-
-def warmup() -> None:
-    """Compile every kernel of :mod:`lbkit.sim` on a tiny scenario."""
-    from lbkit.core.cost import PRESETS
-    from lbkit.sim.engine import simulate_decode, simulate_prefill
-    from lbkit.sim.traces import Trace
-
-    trace = Trace(arrival_s=[0.0, 0.5, 1.0], total_tokens=[100, 2000, 300], output_tokens=[3, 1, 5])
-    unit = PRESETS["unit"]
-    # The lbkit policies too: their balancers' kernels compile on first use.
-    run = simulate_prefill(trace, "lbkit", num_engines=2, ranks_per_engine=2,
-                           cost=unit.prefill, budget_s=500.0)  # fmt: skip
-    simulate_decode(run, "lbkit", num_engines=1, ranks_per_engine=2, cost=unit.decode)
-    DI = np.zeros((N_DI, 1), dtype=np.int64)
-    DI[DI_LEFT] = 1
-    DI[DI_POS] = -1
-    DK = np.ones((N_DK, 2), dtype=np.int64)
-    D = np.full(N_D, 2.0)
-    D[D_MIG_LAT] = 0.0
-    D[D_MIG_TOKEN] = 0.0
-    D[D_CAP] = np.inf
-    DE = np.zeros((N_DE, 1))
-    decode_migrate(0, 1, 0.0, DI, np.zeros((N_DF, 1)), DK, DE, np.zeros((1, 1), np.int64), D)

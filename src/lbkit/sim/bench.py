@@ -24,7 +24,6 @@ from lbkit.core.cost import PRESETS, DecodeCost
 from lbkit.core.validation import check_choice, check_int, check_real
 from lbkit.prefill.buckets import DEFAULT_EDGES
 from lbkit.sim import _kernels as K
-from lbkit.sim._kernels import warmup as _warmup
 from lbkit.sim.engine import (
     DECODE_KV_CAPACITY_TOKENS,
     SHARING,
@@ -34,6 +33,7 @@ from lbkit.sim.engine import (
     simulate_decode,
     simulate_prefill,
 )
+from lbkit.sim.engine import warmup as _warmup
 from lbkit.sim.metrics import decode_metrics, prefill_metrics
 from lbkit.sim.policies import (
     DEFAULT_PREFILL_POLICY,

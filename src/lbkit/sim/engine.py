@@ -43,14 +43,23 @@ import dataclasses
 import math
 from collections import deque
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
 from lbkit.core.cost import DecodeCost, QuadraticCost
 from lbkit.core.validation import as_rng, check_choice, check_int, check_real
 from lbkit.sim import _kernels as K
+from lbkit.sim.protocol import (
+    BLOCK_TOKENS,
+    PREFILL_KV_CAPACITY_TOKENS,
+    DecodeView,
+    PrefillView,
+)
 from lbkit.sim.traces import Trace
+
+_NO_HASHES = np.zeros(0, dtype=np.int64)  # the block hashes of a trace without any
+_NO_HASHES.setflags(write=False)
 
 __all__ = [
     "DECODE_KV_CAPACITY_TOKENS",
@@ -67,108 +76,13 @@ __all__ = [
     "simulate_decode",
     "simulate_prefill",
     "utilization_factor",
+    "warmup",
 ]
 
 #: Number of time bins of the balance-over-time series.
 NUM_BINS = 200
 #: Work-sharing modes of the prefill engines (see :func:`simulate_prefill`).
 SHARING = ("off", "budget", "level", "split")
-#: Tokens per prefix block (Mooncake ``hash_ids``).
-BLOCK_TOKENS = 512
-#: DeepSeek-V3 KV bytes per token (MLA, bf16): 61 layers x (512 + 64) values x 2 bytes.
-_KV_BYTES_PER_TOKEN = 61 * (512 + 64) * 2
-#: Default KV capacity of a prefill rank (tokens): the KV memory left on an 80 GB H800 running
-#: DeepSeek-V3 in FP8 (one byte per parameter) with expert parallelism over 32 GPUs as in
-#: DeepSeek's prefill deployment: 16.6 B replicated parameters (attention, dense layers, shared
-#: experts, embeddings) plus 654 B / 32 routed-expert parameters make 37 GB of weights; 8 GB for
-#: activations and communication buffers leaves 35 GB, ``35e9 // 70,272 = 498,064`` tokens. (An
-#: engine of only 8 such ranks could not hold the weights: 16.6 + 654 / 8 > 80 GB.)
-PREFILL_KV_CAPACITY_TOKENS = int((80e9 - 37e9 - 8e9) // _KV_BYTES_PER_TOKEN)
-_NO_HASHES = np.zeros(0, dtype=np.int64)
-_NO_HASHES.setflags(write=False)
-
-
-class PrefillView(NamedTuple):
-    """What a prefill policy may read: the pool's shape and per-rank state (read-only arrays).
-
-    The per-rank arrays are live: they change as the replay goes on (copy what must be kept).
-
-    Attributes
-    ----------
-    num_engines, ranks_per_engine : int
-    num_requests : ndarray of int64, shape (ranks,)
-        Requests queued or running on each rank (flat index ``engine * ranks_per_engine + r``).
-    tokens : ndarray of int64, shape (ranks,)
-        Uncached prompt tokens still to prefill on each rank.
-    num_waiting : ndarray of int64, shape (ranks,)
-        Requests on each rank that are not running yet (vLLM's "waiting"): a request waits from
-        its admission until the start of the engine step that computes its first chunk; from
-        then on it is *running* (``num_running = num_requests - num_waiting``) until its prefill
-        ends. Work sharing moves only waiting requests.
-    kv_tokens : ndarray of int64, shape (ranks,)
-        KV tokens held by each rank's running requests: their cached prefix (counted from the
-        start of their first step) plus the tokens prefilled so far (counted at the end of each
-        step); a request's KV leaves when its prefill ends (it goes to decode).
-    kv_capacity_tokens : int
-        KV capacity of a rank (tokens); informational, a prefill rank never refuses on it.
-    hit_tokens : ndarray of int64, shape (ranks,)
-        Cached prompt tokens of the request being routed on each rank (valid during ``route``):
-        ``rank_cache.hit_tokens(request)`` with a local prefix-cache hook, else the trace's
-        ``cached_tokens`` on every rank.
-    block_hashes : ndarray of int64
-        Chained prefix-block ids of the request being routed (Mooncake ``hash_ids``, one per
-        ``block_tokens`` tokens; empty if the trace has none); valid during ``route``.
-    block_tokens : int
-        Tokens per prefix block (512).
-
-    The simulator fills every field; a view built by hand with the first four only (e.g. to
-    try a policy) has ``None`` for the other arrays.
-    """
-
-    num_engines: int
-    ranks_per_engine: int
-    num_requests: np.ndarray
-    tokens: np.ndarray
-    num_waiting: np.ndarray | None = None
-    kv_tokens: np.ndarray | None = None
-    kv_capacity_tokens: int = PREFILL_KV_CAPACITY_TOKENS
-    hit_tokens: np.ndarray | None = None
-    block_hashes: np.ndarray = _NO_HASHES
-    block_tokens: int = BLOCK_TOKENS
-
-    @property
-    def num_running(self) -> np.ndarray:
-        """Requests running (partially prefilled or in the current step) on each rank."""
-        return self.num_requests - self.num_waiting
-
-
-class DecodeView(NamedTuple):
-    """What a decode policy may read (read-only arrays, flat rank index).
-
-    Attributes
-    ----------
-    num_engines, ranks_per_engine : int
-    num_requests : ndarray of int64, shape (ranks,)
-        Requests admitted to each rank (running, waiting for the next step, or migrated to it
-        and waiting for their KV transfer), ``B_r``.
-    kv_tokens : ndarray of int64, shape (ranks,)
-        KV tokens they hold, ``S_r``.
-    steps : ndarray of int64, shape (engines,)
-        Decode steps each engine has completed so far (each grew every running request's KV by
-        one token).
-    max_batch, max_kv_tokens : int or None
-        Per-rank admission limits (``None``: unlimited); a policy must not exceed them and
-        returns -1 when no rank can take the request (it then waits). ``max_kv_tokens`` is the
-        KV capacity less the watermark (see :func:`simulate_decode`).
-    """
-
-    num_engines: int
-    ranks_per_engine: int
-    num_requests: np.ndarray
-    kv_tokens: np.ndarray
-    steps: np.ndarray
-    max_batch: int | None
-    max_kv_tokens: int | None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -1189,3 +1103,25 @@ def _window_iv(window_s: Any) -> tuple[float, float] | None:
     if not w1 > w0:
         raise ValueError(f"window_s: stop must be after start, got ({w0}, {w1})")
     return w0, w1
+
+
+def warmup() -> None:
+    """Compile every kernel of :mod:`lbkit.sim` on a tiny scenario."""
+    from lbkit.core.cost import PRESETS
+
+    trace = Trace(arrival_s=[0.0, 0.5, 1.0], total_tokens=[100, 2000, 300], output_tokens=[3, 1, 5])
+    unit = PRESETS["unit"]
+    # The lbkit policies too: their balancers' kernels compile on first use.
+    run = simulate_prefill(trace, "lbkit", num_engines=2, ranks_per_engine=2,
+                           cost=unit.prefill, budget_s=500.0)  # fmt: skip
+    simulate_decode(run, "lbkit", num_engines=1, ranks_per_engine=2, cost=unit.decode)
+    DI = np.zeros((K.N_DI, 1), dtype=np.int64)
+    DI[K.DI_LEFT] = 1
+    DI[K.DI_POS] = -1
+    DK = np.ones((K.N_DK, 2), dtype=np.int64)
+    D = np.full(K.N_D, 2.0)
+    D[K.D_MIG_LAT] = 0.0
+    D[K.D_MIG_TOKEN] = 0.0
+    D[K.D_CAP] = np.inf
+    DE = np.zeros((K.N_DE, 1))
+    K.decode_migrate(0, 1, 0.0, DI, np.zeros((K.N_DF, 1)), DK, DE, np.zeros((1, 1), np.int64), D)

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from lbkit.core.validation import as_rng, check_int
-from lbkit.sim._kernels import EV_FINISH
+from lbkit.sim.protocol import EV_FINISH
 
 __all__ = [
     "PeerPolicy",

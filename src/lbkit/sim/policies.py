@@ -61,8 +61,8 @@ from lbkit.core.cost import QuadraticCost
 from lbkit.core.validation import as_rng
 from lbkit.prefill.balancer import PrefillBalancer
 from lbkit.prefill.buckets import DEFAULT_EDGES
-from lbkit.sim._kernels import EV_FINISH, EV_MOVE, EV_PROGRESS
 from lbkit.sim.peers import PEER_POLICIES
+from lbkit.sim.protocol import EV_FINISH, EV_MOVE, EV_PROGRESS
 
 __all__ = [
     "DEFAULT_PREFILL_POLICY",
