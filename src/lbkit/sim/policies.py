@@ -14,7 +14,7 @@ object with two methods:
     had not started, to flat rank ``tokens`` of the same engine). The arrays are reused by the
     simulator: copy what you keep.
 
-``view`` is a :class:`~lbkit.sim.engine.PrefillView`: the pool's shape and, per rank, the number
+``view`` is a :class:`~lbkit.sim.protocol.PrefillView`: the pool's shape and, per rank, the number
 of requests queued or running and the uncached tokens they still have to prefill, both exact at
 ``now_s``. The simulator never reads a policy's state, and a policy never writes the view.
 
