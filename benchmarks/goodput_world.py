@@ -27,6 +27,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -66,6 +67,29 @@ def _load_avg() -> list[float] | None:
         return [round(x, 2) for x in os.getloadavg()]
     except OSError:
         return None
+
+
+def _commit() -> str | None:
+    # The checkout measured (``+dirty``: with uncommitted changes), so that figures can be
+    # matched with the library code that produced them.
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "src"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+dirty" if dirty else "")
 
 
 def _csv(text: str | None, known, what: str) -> list[str]:
@@ -125,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         if argv is None
         else " ".join(["python", "benchmarks/goodput_world.py", *argv]),
         "started": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "commit": _commit(),
         "machine": {
             "python": platform.python_version(),
             "cpu_count": os.cpu_count(),

@@ -290,8 +290,11 @@ def _goodput_section(data: dict[str, Any]) -> list[str]:
         f"Measured by `{data['command']}` on {data['machine']['cpu_count']} cores shared with "
         f"other work (load average {data['machine']['load_avg_start'][0]:g} at the start, "
         f"{data['machine']['load_avg_end'][0]:g} at the end), {data['wall_s'] / 60:.0f} minutes "
-        f"in all; started {data['started']}.",
+        f"in all; started {data['started']}"
+        + (f" at commit {data['commit']}." if data.get("commit") else "."),
         "",
+        *[f"- {c}" for c in data.get("caveats", [])],
+        *([""] if data.get("caveats") else []),
         "Goodput = the highest arrival rate (requests/s; the trace time-scaled) at which "
         f"{slo['attainment']:.0%} of requests meet the SLO: TTFT <= max({slo['ttft_s']:g} s, "
         f"{slo['ttft_slowdown']:g} x the prefill time alone on an idle rank with the cached "
