@@ -74,7 +74,8 @@ class PolicyGoodput(NamedTuple):
     metrics : dict
         At the goodput rate: ``attainment`` (both parts), ``ttft_p50_s``, ``ttft_p99_s``,
         ``tpot_p50_s``, ``tpot_p99_s``, ``mean_running_per_rank`` of the decode pool,
-        ``cached_share`` (cached over prompt tokens) and ``evaluations``.
+        ``cached_share`` (cached over prompt tokens: with per-rank caches, what the requests hit
+        where they ran) and ``evaluations``.
     """
 
     search: GoodputSearch
@@ -266,7 +267,7 @@ def prefill_goodput(
         return (
             run.ttft_s,
             alone_s(best, ranks_per_engine=r, cost=cost.prefill, budget_s=budget_s),
-            t,
+            t.with_cached_tokens(run.cached_tokens),  # what each request hit where it ran
         )
 
     return _search(
