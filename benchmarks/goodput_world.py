@@ -35,9 +35,15 @@ from pathlib import Path
 from lbkit.core import PRESETS
 from lbkit.sim.bench import load_bench_trace
 from lbkit.sim.goodput import DEFAULT_SLO
-from lbkit.sim.goodput_bench import CACHE_MODES, PEER_NAMES, prepare_cache, run_goodput
+from lbkit.sim.goodput_bench import (
+    CACHE_MODES,
+    PEER_NAMES,
+    local_caches,
+    prepare_cache,
+    run_goodput,
+)
 from lbkit.sim.policies import PREFILL_POLICIES
-from lbkit.sim.prefix_cache import LocalPrefixCaches, capacity_blocks_for
+from lbkit.sim.prefix_cache import capacity_blocks_for
 from lbkit.sim.workload import default_workload
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -101,13 +107,6 @@ def _csv(text: str | None, known, what: str) -> list[str]:
         raise SystemExit(f"--{what}: unknown {bad[0] if bad else '(empty)'!r}; "
                          f"choose from {', '.join(known)}")  # fmt: skip
     return names
-
-
-def _rank_cache():
-    # As ``lbkit bench --cache local``: every prefill rank its own LRU cache.
-    ranks = PREFILL_ENGINES * RANKS_PER_ENGINE
-    capacity = capacity_blocks_for()
-    return lambda trace: LocalPrefixCaches(trace, ranks, capacity_blocks=capacity)
 
 
 def _trace(name: str, args: argparse.Namespace):
@@ -205,7 +204,9 @@ def main(argv: list[str] | None = None) -> int:
                 decode_engines=DECODE_ENGINES,
                 decode_ranks=DECODE_RANKS,
                 seed=SEED,
-                rank_cache=_rank_cache() if cache == "local" else None,
+                rank_cache=local_caches(PREFILL_ENGINES * RANKS_PER_ENGINE)
+                if cache == "local"
+                else None,
                 progress=progress,
             )
             wall = time.perf_counter() - t0

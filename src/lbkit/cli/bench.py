@@ -334,13 +334,14 @@ def run(args: argparse.Namespace) -> int:
         dp = [n for n in names if n in DECODE_POLICIES] or ["lbkit"]
     from lbkit.core import PRESETS
     from lbkit.sim.goodput import Slo
-    from lbkit.sim.goodput_bench import prepare_cache, run_goodput
+    from lbkit.sim.goodput_bench import local_caches, prepare_cache, run_goodput
 
     cache = args.cache
     if trace.hash_ids is None and cache != "none":
         cache = "none"  # no block hashes: nothing to cache (e.g. the Azure traces)
     prepared = prepare_cache(trace, cache)
-    rank_cache = _rank_cache(args) if cache == "local" else None
+    ranks = args.prefill_engines * args.ranks_per_engine
+    rank_cache = local_caches(ranks) if cache == "local" else None
     slo = Slo(
         ttft_s=args.slo_ttft,
         ttft_slowdown=args.slo_ttft_slowdown,
@@ -421,15 +422,6 @@ def run(args: argparse.Namespace) -> int:
     if args.plot is not None:
         _plot(res, args.plot)
     return 0
-
-
-def _rank_cache(args: argparse.Namespace) -> Any:
-    """Factory of the per-rank prefix caches of one replay (``--cache local``)."""
-    from lbkit.sim.prefix_cache import LocalPrefixCaches, capacity_blocks_for
-
-    ranks = args.prefill_engines * args.ranks_per_engine
-    capacity = capacity_blocks_for()
-    return lambda trace: LocalPrefixCaches(trace, ranks, capacity_blocks=capacity)
 
 
 def _fmt(v: Any, kind: str) -> str:

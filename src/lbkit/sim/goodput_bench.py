@@ -41,10 +41,12 @@ from lbkit.sim.engine import (
     DECODE_KV_WATERMARK_TOKENS,
     simulate_decode,
     simulate_prefill,
+    utilization_factor,
 )
 from lbkit.sim.goodput import DEFAULT_SLO, GoodputSearch, Slo, attainment, find_goodput, with_rate
 from lbkit.sim.ideal import alone_s, simulate_ideal_prefill
-from lbkit.sim.prefix_cache import apply_prefix_cache
+from lbkit.sim.peers import PEER_POLICIES
+from lbkit.sim.prefix_cache import LocalPrefixCaches, apply_prefix_cache, capacity_blocks_for
 from lbkit.sim.traces import Trace
 
 __all__ = [
@@ -54,6 +56,7 @@ __all__ = [
     "best_of",
     "goodput_row",
     "ideal_goodput",
+    "local_caches",
     "prefill_goodput",
     "prepare_cache",
     "run_goodput",
@@ -102,6 +105,25 @@ def prepare_cache(trace: Trace, mode: str, /, *, capacity_blocks: int | None = N
     if trace.hash_ids is None:
         return trace
     return apply_prefix_cache(trace, capacity_blocks=capacity_blocks)
+
+
+def local_caches(num_ranks: int, /, *, capacity_blocks: int | None = None) -> Callable:
+    """Factory of the per-rank prefix caches of one replay (``cache="local"``).
+
+    Every one of ``num_ranks`` prefill ranks gets its own LRU cache of ``capacity_blocks``
+    512-token blocks (default :func:`lbkit.sim.prefix_cache.capacity_blocks_for`: a prefill
+    rank's KV memory); call the result with the replayed trace for a fresh cache state.
+
+    Examples
+    --------
+    >>> t = Trace(arrival_s=[0, 1], total_tokens=[1024, 1024], output_tokens=[1, 1],
+    ...           hash_ids=[7, 8, 7, 8], hash_offsets=[0, 2, 4])
+    >>> local_caches(4)(t).hit_tokens(0).tolist()
+    [0, 0, 0, 0]
+    """
+    ranks = check_int(num_ranks, "num_ranks", min_value=1)
+    capacity = capacity_blocks_for() if capacity_blocks is None else capacity_blocks
+    return lambda trace: LocalPrefixCaches(trace, ranks, capacity_blocks=capacity)
 
 
 def _tpot(trace: Trace, finish_s: np.ndarray, run_decode: Callable[[Any], Any]) -> tuple:
@@ -388,15 +410,7 @@ def best_of(rows: dict[str, PolicyGoodput], names: Sequence[str]) -> float | Non
 
 
 #: The peers' routing rules of SPEC section 8 (``vs_best_peer`` compares with the best of them).
-PEER_NAMES = (
-    "vllm",
-    "vllm_kv",
-    "sglang_total_tokens",
-    "sglang_shortest_queue",
-    "sglang_cache_aware",
-    "dynamo",
-    "llm_d",
-)
+PEER_NAMES = tuple(PEER_POLICIES)
 
 
 def run_goodput(
@@ -439,8 +453,8 @@ def run_goodput(
     total = len(names) + 1
     if progress is not None:
         progress("goodput ideal", 0, total)
-    ideal = ideal_goodput(trace, start_rate=_start_rate(trace, cost, num_engines * ranks_per_engine,
-                                                        budget_s), **kw)  # fmt: skip
+    start = _start_rate(trace, cost, num_engines * ranks_per_engine)
+    ideal = ideal_goodput(trace, start_rate=start, **kw)
     ref = ideal.search.requests_per_s
     results: dict[str, PolicyGoodput] = {}
     for j, name in enumerate(names):
@@ -461,10 +475,8 @@ def run_goodput(
     }
 
 
-def _start_rate(trace: Trace, cost: CostPreset, num_ranks: int, budget_s: float) -> float:
+def _start_rate(trace: Trace, cost: CostPreset, num_ranks: int) -> float:
     # The rate at which the trace's prefill work would fill half the pool: a first guess.
-    from lbkit.sim.engine import utilization_factor
-
     factor = utilization_factor(trace, 0.5, num_ranks=num_ranks, cost=cost.prefill)
     span = float(trace.arrival_s[-1] - trace.arrival_s[0]) * factor
     return (len(trace) - 1) / span if span > 0 else 1.0
