@@ -39,23 +39,39 @@ NOT_POSITIVE = st.one_of(st.floats(max_value=0.0), st.just(math.nan), st.just(ma
 #: Small pools and a short trace: each search replays ~10 times, in well under a second.
 SMALL = Pools(prefill_engines=1, ranks_per_engine=2, decode_engines=1, decode_ranks=4)
 COST = PRESETS["h800_dsv3"]
+UNKNOWN_CHOICE = st.one_of(
+    st.text(max_size=12).filter(lambda v: v not in CACHE_MODES and v not in DECODE_POLICIES),
+    st.none(),
+    st.integers(),
+)
+#: (class, field, bad values, error, rule the message states).
+BAD = [
+    *[(Pools, f, st.integers(max_value=0), ValueError, "must be >= 1") for f in POOL_FIELDS],
+    *[(Pools, f, NOT_AN_INT, TypeError, "must be an integer") for f in POOL_FIELDS],
+    *[(GoodputOptions, f, NOT_POSITIVE, ValueError, "must ") for f in POSITIVE_REALS],
+    *[(GoodputOptions, f, NOT_A_REAL, TypeError, "must be a real number") for f in POSITIVE_REALS],
+    (GoodputOptions, "seed", st.integers(max_value=-1), ValueError, "must be >= 0"),
+    (GoodputOptions, "seed", NOT_AN_INT, TypeError, "must be an integer"),
+    (GoodputOptions, "cache", UNKNOWN_CHOICE, ValueError, "must be one of"),
+    (GoodputOptions, "decode_policy", UNKNOWN_CHOICE, ValueError, "must be one of"),
+    (GoodputOptions, "pools", st.sampled_from([(8, 8, 1, 64), {"prefill_engines": 8}, None,
+                                               DEFAULT_SLO]), TypeError, "must be a Pools"),
+    (GoodputOptions, "slo", st.sampled_from([DEFAULT_SLO.as_dict(), 0.99, Pools()]), TypeError,
+     "must be a Slo"),
+]  # fmt: skip
 
 
-def _named(field: str) -> str:
-    return f"^{re.escape(field)}: "
-
-
-# ------------------------------------------------------------------ Pools
-@given(field=st.sampled_from(POOL_FIELDS), value=st.integers(max_value=0))
-def test_pools_reject_fewer_than_one(field, value):
-    with pytest.raises(ValueError, match=_named(field) + "must be >= 1"):
-        Pools(**{field: value})
-
-
-@given(field=st.sampled_from(POOL_FIELDS), value=NOT_AN_INT)
-def test_pools_reject_non_integers(field, value):
-    with pytest.raises(TypeError, match=_named(field) + "must be an integer"):
-        Pools(**{field: value})
+# ------------------------------------------------------------------ validation and value semantics
+@pytest.mark.parametrize(
+    ("cls", "field", "values", "error", "rule"),
+    BAD,
+    ids=[f"{c.__name__}.{f}-{e.__name__}" for c, f, _, e, _ in BAD],
+)
+@given(data=st.data())
+def test_options_reject_bad_values_by_name(cls, field, values, error, rule, data):
+    value = data.draw(values, label=field)
+    with pytest.raises(error, match=f"^{re.escape(field)}: {re.escape(rule)}"):
+        cls(**{field: value})
 
 
 @given(sizes=st.lists(st.integers(1, 4096), min_size=4, max_size=4))
@@ -65,55 +81,6 @@ def test_pools_normalise_numpy_integers_and_compare_by_value(sizes):
     assert plain == numpy and hash(plain) == hash(numpy)
     assert all(type(getattr(numpy, f)) is int for f in POOL_FIELDS)
     assert numpy.num_prefill_ranks == sizes[0] * sizes[1]
-
-
-# ------------------------------------------------------------------ GoodputOptions
-@given(field=st.sampled_from(POSITIVE_REALS), value=NOT_POSITIVE)
-def test_options_reject_non_positive_reals(field, value):
-    with pytest.raises(ValueError, match=_named(field) + "must "):
-        GoodputOptions(**{field: value})
-
-
-@given(field=st.sampled_from(POSITIVE_REALS), value=NOT_A_REAL)
-def test_options_reject_non_reals(field, value):
-    with pytest.raises(TypeError, match=_named(field) + "must be a real number"):
-        GoodputOptions(**{field: value})
-
-
-@given(value=st.integers(max_value=-1))
-def test_options_reject_negative_seeds(value):
-    with pytest.raises(ValueError, match=_named("seed") + "must be >= 0"):
-        GoodputOptions(seed=value)
-
-
-@given(value=NOT_AN_INT)
-def test_options_reject_non_integer_seeds(value):
-    with pytest.raises(TypeError, match=_named("seed") + "must be an integer"):
-        GoodputOptions(seed=value)
-
-
-@given(
-    field=st.sampled_from(["cache", "decode_policy"]),
-    value=st.one_of(
-        st.text(max_size=12).filter(lambda v: v not in CACHE_MODES and v not in DECODE_POLICIES),
-        st.none(),
-        st.integers(),
-    ),
-)
-def test_options_reject_unknown_choices(field, value):
-    with pytest.raises(ValueError, match=_named(field) + "must be one of"):
-        GoodputOptions(**{field: value})
-
-
-@pytest.mark.parametrize(
-    ("field", "value"),
-    [("pools", (8, 8, 1, 64)), ("pools", {"prefill_engines": 8}), ("pools", None),
-     ("slo", DEFAULT_SLO.as_dict()), ("slo", 0.99), ("slo", Pools())],
-)  # fmt: skip
-def test_options_reject_wrong_kinds_of_part(field, value):
-    kind = "Pools" if field == "pools" else "Slo"
-    with pytest.raises(TypeError, match=_named(field) + f"must be a {kind}"):
-        GoodputOptions(**{field: value})
 
 
 @pytest.mark.parametrize("cache", CACHE_MODES)

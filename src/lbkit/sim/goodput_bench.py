@@ -293,13 +293,15 @@ def prefill_goodput(
 
     Examples
     --------
+    Per-rank caches on two prefill ranks:
+
     >>> from lbkit.core import PRESETS
     >>> from lbkit.sim.workload import default_workload
-    >>> trace = prepare_cache(default_workload(num_requests=200, rng=1), "none")
-    >>> opts = GoodputOptions(pools=Pools(prefill_engines=1, ranks_per_engine=2, decode_ranks=4),
-    ...                       cache="none", rel_tol=0.05)
+    >>> pools = Pools(prefill_engines=1, ranks_per_engine=2, decode_ranks=4)
+    >>> opts = GoodputOptions(pools=pools, cache="local", rel_tol=0.05)
+    >>> trace = prepare_cache(default_workload(num_requests=200, rng=1), opts.cache)
     >>> g = prefill_goodput(trace, "least_tokens", cost=PRESETS["h800_dsv3"], options=opts,
-    ...                     start_rate=1.0)
+    ...                     start_rate=1.0, rank_cache=local_caches(pools.num_prefill_ranks))
     >>> g.search.requests_per_s > 0, g.metrics["attainment"] >= opts.slo.attainment
     (True, True)
     """
@@ -384,14 +386,15 @@ def ideal_goodput(
 
     Examples
     --------
+    No policy beats it (here without caches, on one engine of two ranks):
+
     >>> from lbkit.core import PRESETS
     >>> from lbkit.sim.workload import default_workload
     >>> trace = prepare_cache(default_workload(num_requests=200, rng=1), "none")
-    >>> opts = GoodputOptions(pools=Pools(prefill_engines=1, ranks_per_engine=2, decode_ranks=4),
-    ...                       cache="none", rel_tol=0.05)
-    >>> ideal = ideal_goodput(trace, cost=PRESETS["h800_dsv3"], options=opts, start_rate=1.0)
-    >>> got = prefill_goodput(trace, "least_tokens", cost=PRESETS["h800_dsv3"], options=opts,
-    ...                       start_rate=ideal.search.requests_per_s)
+    >>> kw = dict(cost=PRESETS["h800_dsv3"], options=GoodputOptions(
+    ...     pools=Pools(1, 2, 1, 4), cache="none", rel_tol=0.05))
+    >>> ideal = ideal_goodput(trace, start_rate=1.0, **kw)
+    >>> got = prefill_goodput(trace, "least_tokens", start_rate=ideal.search.requests_per_s, **kw)
     >>> 0 < got.search.requests_per_s <= ideal.search.requests_per_s
     True
     """
@@ -459,15 +462,16 @@ def run_goodput(
 
     Examples
     --------
+    The defaults with smaller pools and a coarser search:
+
+    >>> import dataclasses
     >>> from lbkit.core import PRESETS
     >>> from lbkit.sim.workload import default_workload
-    >>> trace = prepare_cache(default_workload(num_requests=200, rng=1), "none")
-    >>> opts = GoodputOptions(pools=Pools(prefill_engines=1, ranks_per_engine=2, decode_ranks=4),
-    ...                       cache="none", rel_tol=0.05)
-    >>> out = run_goodput(trace, policies=["round_robin", "vllm"], cost=PRESETS["h800_dsv3"],
-    ...                   options=opts)
+    >>> opts = dataclasses.replace(DEFAULT_GOODPUT_OPTIONS, pools=Pools(1, 2, 1, 4), rel_tol=0.05)
+    >>> out = run_goodput(prepare_cache(default_workload(num_requests=200, rng=1), opts.cache),
+    ...                   policies=["round_robin", "vllm"], cost=PRESETS["h800_dsv3"], options=opts)
     >>> sorted(out["goodput"]), out["cache"], out["ideal"]["vs_ideal"]
-    (['round_robin', 'vllm'], 'none', 1.0)
+    (['round_robin', 'vllm'], 'global', 1.0)
     """
     _check(trace, cost, options)
     names = list(policies)
