@@ -23,6 +23,7 @@ after, and the wall time of every scenario (the machine is shared: wall times ar
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as _dt
 import json
 import os
@@ -34,9 +35,9 @@ from pathlib import Path
 
 from lbkit.core import PRESETS
 from lbkit.sim.bench import load_bench_trace
-from lbkit.sim.goodput import DEFAULT_SLO
 from lbkit.sim.goodput_bench import (
     CACHE_MODES,
+    DEFAULT_GOODPUT_OPTIONS,
     PEER_NAMES,
     local_caches,
     prepare_cache,
@@ -55,11 +56,11 @@ TRACE_FILES = {
     "default": None,
 }
 COST = "h800_dsv3"
-PREFILL_ENGINES = 8
-RANKS_PER_ENGINE = 8
-DECODE_ENGINES = 1
-DECODE_RANKS = 64
-SEED = 0
+#: ``lbkit bench``'s defaults: 8 x 8 prefill ranks, one decode engine of 64, the default SLO,
+#: seed 0 (the cache mode is set per scenario).
+OPTIONS = DEFAULT_GOODPUT_OPTIONS
+POOLS = OPTIONS.pools
+SEED = OPTIONS.seed
 #: Above this size the saved JSON drops the per-policy (rate, attainment) curves.
 MAX_JSON_BYTES = 2_000_000
 
@@ -156,9 +157,9 @@ def main(argv: list[str] | None = None) -> int:
         },
         "options": {
             "cost": COST,
-            "prefill": f"{PREFILL_ENGINES} x {RANKS_PER_ENGINE}",
-            "decode": f"{DECODE_ENGINES} x {DECODE_RANKS}",
-            "slo": DEFAULT_SLO.as_dict(),
+            "prefill": f"{POOLS.prefill_engines} x {POOLS.ranks_per_engine}",
+            "decode": f"{POOLS.decode_engines} x {POOLS.decode_ranks}",
+            "slo": OPTIONS.slo.as_dict(),
             "seed": SEED,
             "local_capacity_blocks": capacity_blocks_for(),
             "max_requests": args.max_requests,
@@ -198,15 +199,8 @@ def main(argv: list[str] | None = None) -> int:
                 prepare_cache(trace, cache),
                 policies=policies,
                 cost=cost,
-                cache=cache,
-                num_engines=PREFILL_ENGINES,
-                ranks_per_engine=RANKS_PER_ENGINE,
-                decode_engines=DECODE_ENGINES,
-                decode_ranks=DECODE_RANKS,
-                seed=SEED,
-                rank_cache=local_caches(PREFILL_ENGINES * RANKS_PER_ENGINE)
-                if cache == "local"
-                else None,
+                options=dataclasses.replace(OPTIONS, cache=cache),
+                rank_cache=local_caches(POOLS.num_prefill_ranks) if cache == "local" else None,
                 progress=progress,
             )
             wall = time.perf_counter() - t0

@@ -14,7 +14,13 @@ from lbkit.core import PRESETS
 from lbkit.core.cost import QuadraticCost
 from lbkit.sim import simulate_prefill
 from lbkit.sim.goodput import Slo, attainment, find_goodput, rate_of, slo_met, with_rate
-from lbkit.sim.goodput_bench import ideal_goodput, prefill_goodput, prepare_cache
+from lbkit.sim.goodput_bench import (
+    GoodputOptions,
+    Pools,
+    ideal_goodput,
+    prefill_goodput,
+    prepare_cache,
+)
 from lbkit.sim.ideal import alone_s, simulate_ideal_prefill
 from lbkit.sim.traces import Trace, load_azure
 from lbkit.sim.workload import default_workload
@@ -240,9 +246,10 @@ def test_alone_matches_the_engine():
 def test_goodput_is_deterministic():
     preset = PRESETS["h800_dsv3"]
     trace = prepare_cache(default_workload(num_requests=400, rng=5), "global")
-    kw = dict(cost=preset, num_engines=2, ranks_per_engine=2, decode_ranks=4, start_rate=0.5)
-    a = prefill_goodput(trace, "power_of_two", **kw, seed=3)
-    b = prefill_goodput(trace, "power_of_two", **kw, seed=3)
+    pools = Pools(prefill_engines=2, ranks_per_engine=2, decode_ranks=4)
+    kw = dict(cost=preset, start_rate=0.5)
+    a = prefill_goodput(trace, "power_of_two", **kw, options=GoodputOptions(pools=pools, seed=3))
+    b = prefill_goodput(trace, "power_of_two", **kw, options=GoodputOptions(pools=pools, seed=3))
     assert a.search == b.search and a.metrics == b.metrics
 
 
@@ -259,12 +266,12 @@ def test_ideal_goodput_is_at_least_every_policys(seed):
         trace = load_azure(AZURE_SMALL)
     else:
         trace = prepare_cache(default_workload(num_requests=1500, rng=seed), "none")
-    kw = dict(cost=preset, num_engines=2, ranks_per_engine=4, decode_ranks=8, rel_tol=0.02)
+    pools = Pools(prefill_engines=2, ranks_per_engine=4, decode_ranks=8)
+    kw = dict(cost=preset, options=GoodputOptions(pools=pools, cache="none", rel_tol=0.02))
     ideal = ideal_goodput(trace, start_rate=1.0, **kw)
     assert ideal.search.bracketed and ideal.search.requests_per_s > 0
     for policy in ("round_robin", "least_requests", "least_tokens", "lbkit_nobuckets", "lbkit",
                    "vllm", "dynamo"):  # fmt: skip
-        got = prefill_goodput(trace, policy, start_rate=ideal.search.requests_per_s, cache="none",
-                              **kw)  # fmt: skip
+        got = prefill_goodput(trace, policy, start_rate=ideal.search.requests_per_s, **kw)
         assert got.search.requests_per_s <= ideal.search.requests_per_s, policy
         assert got.metrics["attainment"] >= 0.99

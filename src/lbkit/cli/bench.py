@@ -334,20 +334,34 @@ def run(args: argparse.Namespace) -> int:
         dp = [n for n in names if n in DECODE_POLICIES] or ["lbkit"]
     from lbkit.core import PRESETS
     from lbkit.sim.goodput import Slo
-    from lbkit.sim.goodput_bench import local_caches, prepare_cache, run_goodput
+    from lbkit.sim.goodput_bench import (
+        GoodputOptions,
+        Pools,
+        local_caches,
+        prepare_cache,
+        run_goodput,
+    )
 
     cache = args.cache
     if trace.hash_ids is None and cache != "none":
         cache = "none"  # no block hashes: nothing to cache (e.g. the Azure traces)
     prepared = prepare_cache(trace, cache)
-    ranks = args.prefill_engines * args.ranks_per_engine
-    rank_cache = local_caches(ranks) if cache == "local" else None
     slo = Slo(
         ttft_s=args.slo_ttft,
         ttft_slowdown=args.slo_ttft_slowdown,
         tpot_s=args.slo_tpot,
         attainment=args.attainment,
     )
+    pools = Pools(
+        prefill_engines=args.prefill_engines,
+        ranks_per_engine=args.ranks_per_engine,
+        decode_engines=args.decode_engines,
+        decode_ranks=args.decode_ranks,
+    )
+    options = GoodputOptions(
+        pools=pools, slo=slo, cache=cache, budget_s=args.budget, seed=args.seed
+    )
+    rank_cache = local_caches(pools.num_prefill_ranks) if cache == "local" else None
     progress = _Progress()
     start = time.perf_counter()
     try:
@@ -357,14 +371,7 @@ def run(args: argparse.Namespace) -> int:
                 prepared,
                 policies=pp if pp is not None else list(PREFILL_POLICIES),
                 cost=PRESETS[args.cost],
-                cache=cache,
-                num_engines=args.prefill_engines,
-                ranks_per_engine=args.ranks_per_engine,
-                decode_engines=args.decode_engines,
-                decode_ranks=args.decode_ranks,
-                slo=slo,
-                budget_s=args.budget,
-                seed=args.seed,
+                options=options,
                 rank_cache=rank_cache,
                 progress=progress,
             )

@@ -18,13 +18,17 @@ more, or not yet, is not held against the router).
 :func:`ideal_goodput` does the same for the ideal late-binding reference
 (:mod:`lbkit.sim.ideal`), whose decode pool is fed by its own prefill ends.
 
-**Caches** (``cache``, SPEC section 8): ``"none"`` (nothing cached), ``"global"`` (one LRU
+**Caches** (``options.cache``, SPEC section 8): ``"none"`` (nothing cached), ``"global"`` (one LRU
 cache shared by every rank, DeepSeek's design: a request's cached tokens are its hits in the
 trace's arrival order, :func:`lbkit.sim.prefix_cache.apply_prefix_cache`), ``"local"`` (each
 rank its own LRU cache of 512-token blocks, so that a request's cached tokens depend on where it
 is routed). A trace without block hashes has no prefix structure: its cached tokens are as the
 trace gives them in every mode but ``"none"``. The ideal reference uses the global cache's hits
 in both cached modes (taken at arrival: an upper bound on what per-rank caches can hit).
+
+**Options**: the pools, SLO, cache mode, decode policy, search tolerance, step budget and seed
+of a search are one frozen :class:`GoodputOptions` (:mod:`lbkit.sim.goodput_options`, names
+re-exported here); its defaults, :data:`DEFAULT_GOODPUT_OPTIONS`, are what ``lbkit bench`` runs.
 """
 
 from __future__ import annotations
@@ -43,16 +47,26 @@ from lbkit.sim.engine import (
     simulate_prefill,
     utilization_factor,
 )
-from lbkit.sim.goodput import DEFAULT_SLO, GoodputSearch, Slo, attainment, find_goodput, with_rate
+from lbkit.sim.goodput import GoodputSearch, attainment, find_goodput, with_rate
+from lbkit.sim.goodput_options import (
+    CACHE_MODES,
+    DEFAULT_GOODPUT_OPTIONS,
+    GoodputOptions,
+    Pools,
+)
 from lbkit.sim.ideal import alone_s, simulate_ideal_prefill
 from lbkit.sim.peers import PEER_POLICIES
+from lbkit.sim.policies import PREFILL_POLICIES
 from lbkit.sim.prefix_cache import LocalPrefixCaches, apply_prefix_cache, capacity_blocks_for
 from lbkit.sim.traces import Trace
 
 __all__ = [
     "CACHE_MODES",
+    "DEFAULT_GOODPUT_OPTIONS",
     "PEER_NAMES",
+    "GoodputOptions",
     "PolicyGoodput",
+    "Pools",
     "best_of",
     "goodput_row",
     "ideal_goodput",
@@ -61,9 +75,6 @@ __all__ = [
     "prepare_cache",
     "run_goodput",
 ]
-
-#: Prefix-cache modes of the prefill pool (``lbkit bench --cache``).
-CACHE_MODES = ("none", "global", "local")
 
 
 class PolicyGoodput(NamedTuple):
@@ -167,25 +178,31 @@ def _summary(ttft: np.ndarray, tpot: np.ndarray, met: float, dec: Any, trace: Tr
 
 
 def _search(
-    prefill_at: Callable[[float], tuple[np.ndarray, np.ndarray, Trace]],
-    decode_of: Callable[[Trace, np.ndarray], tuple[np.ndarray, Any]],
+    trace: Trace,
+    replay: Callable[[Trace], tuple[np.ndarray, np.ndarray, Trace]],
     *,
-    slo: Slo,
+    cost: CostPreset,
+    options: GoodputOptions,
     start_rate: float,
-    rel_tol: float,
 ) -> PolicyGoodput:
+    # replay(trace at a rate) -> (TTFT, prefill time alone, trace with the cached tokens hit).
+    slo, rel_tol = options.slo, options.rel_tol
+    decode_of = _decoder(cost, options)
     last: dict[float, tuple] = {}
 
+    def prefill_at(rate: float) -> tuple[np.ndarray, np.ndarray, Trace]:
+        return replay(with_rate(trace, rate))
+
     def ttft_only(rate: float) -> float:
-        ttft, alone, trace = prefill_at(rate)
+        ttft, alone, t = prefill_at(rate)
         last.clear()
-        last[rate] = (ttft, alone, trace)
+        last[rate] = (ttft, alone, t)
         return attainment(ttft, alone, np.zeros(ttft.shape[0]), slo=slo)
 
     def both(rate: float) -> tuple[float, tuple]:
-        ttft, alone, trace = last[rate] if rate in last else prefill_at(rate)
-        tpot, dec = decode_of(trace, ttft + trace.arrival_s)
-        return attainment(ttft, alone, tpot, slo=slo), (ttft, tpot, dec, trace)
+        ttft, alone, t = last[rate] if rate in last else prefill_at(rate)
+        tpot, dec = decode_of(t, ttft + t.arrival_s)
+        return attainment(ttft, alone, tpot, slo=slo), (ttft, tpot, dec, t)
 
     first = find_goodput(ttft_only, start_rate=start_rate, target=slo.attainment, rel_tol=rel_tol)
     evals = list(first.evaluations)
@@ -211,10 +228,32 @@ def _search(
         if second.requests_per_s <= 0.0:
             return PolicyGoodput(search, {"attainment": None, "evaluations": len(evals)})
         met, seen = search.attainment, full[second.requests_per_s]
-    ttft, tpot, dec, trace = seen
-    out = _summary(ttft, tpot, met, dec, trace)
+    ttft, tpot, dec, t = seen
+    out = _summary(ttft, tpot, met, dec, t)
     out["evaluations"] = len(evals)
     return PolicyGoodput(search, out)
+
+
+def _check(trace: Trace, cost: CostPreset, options: GoodputOptions) -> None:
+    if not isinstance(trace, Trace):
+        raise TypeError(f"trace: must be a Trace, got {type(trace).__name__}")
+    if not isinstance(cost, CostPreset):
+        raise TypeError(f"cost: must be a CostPreset (lbkit.core.PRESETS), got {cost!r}")
+    if not isinstance(options, GoodputOptions):
+        raise TypeError(f"options: must be a GoodputOptions, got {type(options).__name__}")
+
+
+def _setup(trace: Trace, cost: CostPreset, options: GoodputOptions, start_rate: float):
+    # What every goodput search checks and computes first: its inputs, and each request's
+    # prefill time alone on an idle rank with the trace's cached tokens (the SLO's denominator).
+    _check(trace, cost, options)
+    check_real(start_rate, "start_rate", min_value=0.0, strict_min=True)
+    return _alone(trace, cost, options)
+
+
+def _alone(trace: Trace, cost: CostPreset, options: GoodputOptions) -> np.ndarray:
+    ranks = options.pools.ranks_per_engine
+    return alone_s(trace, ranks_per_engine=ranks, cost=cost.prefill, budget_s=options.budget_s)
 
 
 def prefill_goodput(
@@ -223,17 +262,8 @@ def prefill_goodput(
     /,
     *,
     cost: CostPreset,
-    cache: str = "global",
-    num_engines: int = 8,
-    ranks_per_engine: int = 8,
-    decode_engines: int = 1,
-    decode_ranks: int = 64,
-    decode_policy: str = "lbkit",
-    slo: Slo = DEFAULT_SLO,
+    options: GoodputOptions = DEFAULT_GOODPUT_OPTIONS,
     start_rate: float,
-    rel_tol: float = 0.01,
-    budget_s: float = 1.0,
-    seed: int = 0,
     rank_cache: Callable[[Trace], Any] | None = None,
 ) -> PolicyGoodput:
     """Goodput of prefill ``policy`` on ``trace`` (see the module docstring).
@@ -241,64 +271,61 @@ def prefill_goodput(
     Parameters
     ----------
     trace : Trace
-        Prepared by :func:`prepare_cache` for ``cache``; its arrival pattern is scaled in time.
+        Prepared by :func:`prepare_cache` for ``options.cache``; its arrivals are scaled in time.
     policy : str or callable
         A prefill policy name, or a factory ``(num_engines, ranks_per_engine, *, cost, rng)``.
     cost : CostPreset
         Prefill and decode cost models.
-    cache : {"none", "global", "local"}, default "global"
-    num_engines, ranks_per_engine, decode_engines, decode_ranks : int
-        Pools (default 8 x 8 prefill ranks, one decode engine of 64 ranks).
-    decode_policy : str, default "lbkit"
-        Routes the decode pool of every evaluation judged on TPOT.
-    slo : Slo
+    options : GoodputOptions, default :data:`DEFAULT_GOODPUT_OPTIONS`
+        Pools, SLO, cache mode, decode policy, search tolerance, step budget and seed.
     start_rate : float
-        First rate tried, requests per second.
-    rel_tol : float, default 0.01
-    budget_s : float, default 1.0
-    seed : int, default 0
+        First rate tried, requests per second (> 0).
     rank_cache : callable(trace) -> hook, optional
-        With ``cache="local"``: builds the per-rank caches of one replay (the
-        ``simulate_prefill(rank_cache=...)`` hook); required there.
+        With ``options.cache == "local"``: builds the per-rank caches of one replay (the
+        ``simulate_prefill(rank_cache=...)`` hook, e.g. :func:`local_caches`); required there.
 
     Returns
     -------
     PolicyGoodput
+
+    Runtime complexity: about ``log2(1 / rel_tol) + 2`` prefill replays of ``trace`` and one to a
+    few decode replays (see :func:`lbkit.sim.goodput.find_goodput`).
+
+    Examples
+    --------
+    Per-rank caches on two prefill ranks:
+
+    >>> from lbkit.core import PRESETS
+    >>> from lbkit.sim.workload import default_workload
+    >>> pools = Pools(prefill_engines=1, ranks_per_engine=2, decode_ranks=4)
+    >>> opts = GoodputOptions(pools=pools, cache="local", rel_tol=0.05)
+    >>> trace = prepare_cache(default_workload(num_requests=200, rng=1), opts.cache)
+    >>> g = prefill_goodput(trace, "least_tokens", cost=PRESETS["h800_dsv3"], options=opts,
+    ...                     start_rate=1.0, rank_cache=local_caches(pools.num_prefill_ranks))
+    >>> g.search.requests_per_s > 0, g.metrics["attainment"] >= opts.slo.attainment
+    (True, True)
     """
-    check_choice(cache, "cache", CACHE_MODES)
-    if cache == "local" and rank_cache is None:
+    alone = _setup(trace, cost, options, start_rate)
+    if options.cache == "local" and rank_cache is None:
         raise ValueError("rank_cache: required with cache='local' (the per-rank caches)")
-    e = check_int(num_engines, "num_engines", min_value=1)
-    r = check_int(ranks_per_engine, "ranks_per_engine", min_value=1)
-    alone = alone_s(trace, ranks_per_engine=r, cost=cost.prefill, budget_s=budget_s)
-
-    def prefill_at(rate: float) -> tuple[np.ndarray, np.ndarray, Trace]:
-        t = with_rate(trace, rate)
-        if cache != "local":
-            run = simulate_prefill(
-                t, policy, num_engines=e, ranks_per_engine=r, cost=cost.prefill,
-                budget_s=budget_s, rng=seed,
-            )  # fmt: skip
-            return run.ttft_s, alone, t
-        hook = _BestHit(rank_cache(t), len(t))
-        run = simulate_prefill(
-            t, policy, num_engines=e, ranks_per_engine=r, cost=cost.prefill, budget_s=budget_s,
-            rng=seed, rank_cache=hook,
-        )  # fmt: skip
-        best = t.with_cached_tokens(hook.best)
-        return (
-            run.ttft_s,
-            alone_s(best, ranks_per_engine=r, cost=cost.prefill, budget_s=budget_s),
-            t.with_cached_tokens(run.cached_tokens),  # what each request hit where it ran
-        )
-
-    return _search(
-        prefill_at,
-        _decoder(cost, decode_policy, decode_engines, decode_ranks, seed),
-        slo=slo,
-        start_rate=start_rate,
-        rel_tol=rel_tol,
+    kw: dict[str, Any] = dict(
+        num_engines=options.pools.prefill_engines,
+        ranks_per_engine=options.pools.ranks_per_engine,
+        cost=cost.prefill,
+        budget_s=options.budget_s,
+        rng=options.seed,
     )
+
+    def replay(t: Trace) -> tuple[np.ndarray, np.ndarray, Trace]:
+        if options.cache != "local":
+            return simulate_prefill(t, policy, **kw).ttft_s, alone, t
+        hook = _BestHit(rank_cache(t), len(t))
+        run = simulate_prefill(t, policy, rank_cache=hook, **kw)
+        best = t.with_cached_tokens(hook.best)
+        # The denominator: the best hit when routed; the trace: what it hit where it ran.
+        return run.ttft_s, _alone(best, cost, options), t.with_cached_tokens(run.cached_tokens)
+
+    return _search(trace, replay, cost=cost, options=options, start_rate=start_rate)
 
 
 class _BestHit:
@@ -321,20 +348,22 @@ class _BestHit:
         self._hook.finished(request, rank)
 
 
-def _decoder(cost: CostPreset, policy: str, engines: int, ranks: int, seed: int):
+def _decoder(cost: CostPreset, options: GoodputOptions):
+    pools = options.pools
+
     def decode_of(trace: Trace, finish_s: np.ndarray) -> tuple[np.ndarray, Any]:
         return _tpot(
             trace,
             finish_s,
             lambda t: simulate_decode(
                 t,
-                policy,
-                num_engines=engines,
-                ranks_per_engine=ranks,
+                options.decode_policy,
+                num_engines=pools.decode_engines,
+                ranks_per_engine=pools.decode_ranks,
                 cost=cost.decode,
                 max_kv_tokens=DECODE_KV_CAPACITY_TOKENS,
                 kv_watermark_tokens=DECODE_KV_WATERMARK_TOKENS,
-                rng=seed,
+                rng=options.seed,
             ),
         )
 
@@ -346,43 +375,41 @@ def ideal_goodput(
     /,
     *,
     cost: CostPreset,
-    num_engines: int = 8,
-    ranks_per_engine: int = 8,
-    decode_engines: int = 1,
-    decode_ranks: int = 64,
-    decode_policy: str = "lbkit",
-    slo: Slo = DEFAULT_SLO,
+    options: GoodputOptions = DEFAULT_GOODPUT_OPTIONS,
     start_rate: float,
-    rel_tol: float = 0.01,
-    budget_s: float = 1.0,
-    seed: int = 0,
 ) -> PolicyGoodput:
     """Goodput of the ideal late-binding reference on ``trace`` (see :mod:`lbkit.sim.ideal`).
 
     Its central queue is served in SLO-deadline order (``arrival + max(slo.ttft_s,
-    slo.ttft_slowdown * alone)``); other parameters as :func:`prefill_goodput`.
+    slo.ttft_slowdown * alone)``); it sees the trace's cached tokens whatever ``options.cache``
+    says (the global cache's hits in both cached modes). Parameters as :func:`prefill_goodput`.
+
+    Examples
+    --------
+    No policy beats it (here without caches, on one engine of two ranks):
+
+    >>> from lbkit.core import PRESETS
+    >>> from lbkit.sim.workload import default_workload
+    >>> trace = prepare_cache(default_workload(num_requests=200, rng=1), "none")
+    >>> kw = dict(cost=PRESETS["h800_dsv3"], options=GoodputOptions(
+    ...     pools=Pools(1, 2, 1, 4), cache="none", rel_tol=0.05))
+    >>> ideal = ideal_goodput(trace, start_rate=1.0, **kw)
+    >>> got = prefill_goodput(trace, "least_tokens", start_rate=ideal.search.requests_per_s, **kw)
+    >>> 0 < got.search.requests_per_s <= ideal.search.requests_per_s
+    True
     """
-    e = check_int(num_engines, "num_engines", min_value=1)
-    r = check_int(ranks_per_engine, "ranks_per_engine", min_value=1)
-    check_real(start_rate, "start_rate", min_value=0.0, strict_min=True)
-    alone = alone_s(trace, ranks_per_engine=r, cost=cost.prefill, budget_s=budget_s)
+    alone = _setup(trace, cost, options, start_rate)
+    slo, pools = options.slo, options.pools
     slack = np.maximum(slo.ttft_s, slo.ttft_slowdown * alone)
 
-    def prefill_at(rate: float) -> tuple[np.ndarray, np.ndarray, Trace]:
-        t = with_rate(trace, rate)
+    def replay(t: Trace) -> tuple[np.ndarray, np.ndarray, Trace]:
         run = simulate_ideal_prefill(
-            t, num_engines=e, ranks_per_engine=r, cost=cost.prefill, budget_s=budget_s,
-            deadline_s=t.arrival_s + slack,
+            t, num_engines=pools.prefill_engines, ranks_per_engine=pools.ranks_per_engine,
+            cost=cost.prefill, budget_s=options.budget_s, deadline_s=t.arrival_s + slack,
         )  # fmt: skip
         return run.ttft_s, alone, t
 
-    return _search(
-        prefill_at,
-        _decoder(cost, decode_policy, decode_engines, decode_ranks, seed),
-        slo=slo,
-        start_rate=start_rate,
-        rel_tol=rel_tol,
-    )
+    return _search(trace, replay, cost=cost, options=options, start_rate=start_rate)
 
 
 def goodput_row(result: PolicyGoodput, *, ideal: float, best_peer: float | None) -> dict:
@@ -419,49 +446,49 @@ def run_goodput(
     *,
     policies: Sequence[str],
     cost: CostPreset,
-    cache: str = "global",
-    num_engines: int = 8,
-    ranks_per_engine: int = 8,
-    decode_engines: int = 1,
-    decode_ranks: int = 64,
-    slo: Slo = DEFAULT_SLO,
-    rel_tol: float = 0.01,
-    budget_s: float = 1.0,
-    seed: int = 0,
+    options: GoodputOptions = DEFAULT_GOODPUT_OPTIONS,
     rank_cache: Callable[[Trace], Any] | None = None,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> dict[str, Any]:
     """Goodput of the ideal reference and of every prefill policy in ``policies`` on ``trace``.
 
-    ``trace`` is prepared by :func:`prepare_cache` for ``cache``. Each policy's search starts
-    at the ideal's goodput. Returns the JSON sections of SPEC section 10: ``{"goodput":
-    {POLICY: row}, "ideal": {...}, "slo": {...}, "cache": cache}`` with rows as
+    ``policies`` are keys of :data:`lbkit.sim.policies.PREFILL_POLICIES`; ``trace`` is prepared
+    by :func:`prepare_cache` for ``options.cache``; ``rank_cache`` as in :func:`prefill_goodput`;
+    ``progress(label, done, total)`` is called before each search. The ideal's search starts
+    where the trace's prefill work fills half the pool, each policy's at the ideal's goodput.
+    Returns the JSON sections of SPEC section 10: ``{"goodput": {POLICY: row}, "ideal": {...},
+    "best_peer_requests_per_s": ..., "slo": {...}, "cache": cache}`` with rows as
     :func:`goodput_row` makes them (each with its ``curve`` of (rate, attainment) points).
+
+    Examples
+    --------
+    The defaults with smaller pools and a coarser search:
+
+    >>> import dataclasses
+    >>> from lbkit.core import PRESETS
+    >>> from lbkit.sim.workload import default_workload
+    >>> opts = dataclasses.replace(DEFAULT_GOODPUT_OPTIONS, pools=Pools(1, 2, 1, 4), rel_tol=0.05)
+    >>> out = run_goodput(prepare_cache(default_workload(num_requests=200, rng=1), opts.cache),
+    ...                   policies=["round_robin", "vllm"], cost=PRESETS["h800_dsv3"], options=opts)
+    >>> sorted(out["goodput"]), out["cache"], out["ideal"]["vs_ideal"]
+    (['round_robin', 'vllm'], 'global', 1.0)
     """
-    kw: dict[str, Any] = dict(
-        cost=cost,
-        num_engines=num_engines,
-        ranks_per_engine=ranks_per_engine,
-        decode_engines=decode_engines,
-        decode_ranks=decode_ranks,
-        slo=slo,
-        rel_tol=rel_tol,
-        budget_s=budget_s,
-        seed=seed,
-    )
+    _check(trace, cost, options)
     names = list(policies)
+    for name in names:
+        check_choice(name, "policies", tuple(PREFILL_POLICIES))
     total = len(names) + 1
     if progress is not None:
         progress("goodput ideal", 0, total)
-    start = _start_rate(trace, cost, num_engines * ranks_per_engine)
-    ideal = ideal_goodput(trace, start_rate=start, **kw)
+    start = _start_rate(trace, cost, options.pools.num_prefill_ranks)
+    ideal = ideal_goodput(trace, cost=cost, options=options, start_rate=start)
     ref = ideal.search.requests_per_s
     results: dict[str, PolicyGoodput] = {}
     for j, name in enumerate(names):
         if progress is not None:
             progress(f"goodput {name}", j + 1, total)
         results[name] = prefill_goodput(
-            trace, name, cache=cache, rank_cache=rank_cache, start_rate=ref or 1.0, **kw
+            trace, name, cost=cost, options=options, start_rate=ref or 1.0, rank_cache=rank_cache
         )
     best_peer = best_of(results, PEER_NAMES)
     rows = {n: goodput_row(g, ideal=ref, best_peer=best_peer) for n, g in results.items()}
@@ -470,8 +497,8 @@ def run_goodput(
         "goodput": rows,
         "ideal": ideal_row,
         "best_peer_requests_per_s": best_peer,
-        "slo": slo.as_dict(),
-        "cache": cache,
+        "slo": options.slo.as_dict(),
+        "cache": options.cache,
     }
 
 
