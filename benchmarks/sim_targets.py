@@ -24,7 +24,8 @@ from lbkit.sim.bench import (
 )
 from lbkit.sim.engine import scale_to_utilization, simulate_decode, simulate_prefill
 from lbkit.sim.metrics import decode_metrics, prefill_metrics
-from lbkit.sim.policies import LBKIT_CP_OPTIONS, LBKIT_OPTIONS, LbkitPrefill
+from lbkit.sim.policies import LBKIT_BUCKET_OPTIONS as LBKIT_OPTIONS
+from lbkit.sim.policies import LBKIT_CP_OPTIONS, LbkitPrefill
 from lbkit.sim.policies_decode import LbkitDecode
 from lbkit.sim.workload import default_workload
 
@@ -62,7 +63,7 @@ def _sharing(runs):
                             decode_policies=[]).report  # fmt: skip
             p = rep["prefill"]
             rates = rep["timing"]["requests_per_s"]
-            base = [k for k in p if k not in ("lbkit", "lbkit_nobuckets")]
+            base = [k for k in p if k not in ("lbkit", "lbkit_buckets")]
             best = min(base, key=lambda k: p[k]["ttft_p99_s"])
             lb = p["lbkit"]
             rows.append([name, u, eng, round(lb["balance_efficiency"], 4),
@@ -109,7 +110,7 @@ def _prefill_scenarios(runs):
                              round(m["reference"]["count_imbalance"], 3),
                              round(rates[f"decode/{pol}"])])  # fmt: skip
         p = rep["prefill"]
-        base = [k for k in p if k not in ("lbkit", "lbkit_nobuckets")]
+        base = [k for k in p if k not in ("lbkit", "lbkit_buckets")]
         best = min(p[k]["ttft_p99_s"] for k in base)
         lb, dlb = p["lbkit"], rep["decode"]["lbkit"]
         slow = min(v for v in rates.values() if v)

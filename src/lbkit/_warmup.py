@@ -10,7 +10,7 @@ __all__ = ["warmup"]
 #: Kernel modules of each subpackage; each exposes a ``warmup()`` function.
 _KERNEL_MODULES = {
     "core": ("_kernels",),
-    "prefill": ("_kernels",),
+    "prefill": ("_kernels", "lockstep"),
     "decode": ("_kernels",),
     "eplb": ("_kernels", "_replan_kernels"),
     "sim": ("engine",),

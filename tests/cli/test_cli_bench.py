@@ -91,7 +91,7 @@ def test_tables_and_json(tmp_path, capsys):
     title = next(line for line in text.splitlines() if "Prefill TTFT by prompt length" in line)
     for label, m in buckets.items():
         assert f"{label} {m['requests']:,}" in title and f"{label} p50" in text
-    assert set(report["prefill"]) >= {"round_robin", "lbkit", "lbkit_nobuckets", "least_tokens"}
+    assert set(report["prefill"]) >= {"round_robin", "lbkit", "lbkit_buckets", "least_tokens"}
     assert set(report["decode"]) >= {"round_robin", "least_kv", "lbkit"}
     assert "goodput" not in report  # --no-goodput
 

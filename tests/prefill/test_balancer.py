@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lbkit.core import PRESETS, QuadraticCost
-from lbkit.prefill import PrefillBalancer, bucket_of
+from lbkit.prefill import DEFAULT_EDGES, PrefillBalancer, bucket_of
 
 UNIT = PRESETS["unit"].prefill
 EDGES = (100, 400)
@@ -240,7 +240,9 @@ def test_plan_engine_drives_the_queue_to_completion():
 
 
 def test_spill_over_to_a_much_less_loaded_neighbour():
-    bal = make(num_engines=2, ranks=1, initial_engines=[1, 1, 0], spill_ratio=2.0)
+    bal = make(
+        num_engines=2, ranks=1, initial_engines=[1, 1, 0], spill_ratio=2.0, rank_rule="least_load"
+    )
     bal.route("a", 90, 0, now_s=0.0)
     d = bal.route("b", 90, 0, now_s=0.0)
     assert d.reason == "spill" and d.bucket == 0 and d.engine == 1
@@ -308,7 +310,7 @@ def test_scaling_the_cost_model_changes_no_decision(seed, k):
     scaled = QuadraticCost(a=UNIT.a * c, b=UNIT.b * c, k=UNIT.k * c, q=UNIT.q * c)
     ops = _ops(seed)
     a = make(deadband=0.05, max_moves=2)
-    b = make(deadband=0.05, max_moves=2, cost=scaled)
+    b = make(deadband=0.05, max_moves=2, cost=scaled, step_budget_s=c)
     assert _replay(a, ops) == _replay(b, ops)
     assert np.allclose(a.rank_loads() * c, b.rank_loads(), rtol=1e-12)
     a._check()
@@ -433,7 +435,7 @@ def test_bad_construction(args, kwargs, exc, match):
 
 
 def test_default_pool_spreads_engines_and_serves_every_bucket():
-    bal = PrefillBalancer(16, 4, cost=PRESETS["h800_dsv3"].prefill)
+    bal = PrefillBalancer(16, 4, cost=PRESETS["h800_dsv3"].prefill, edges=DEFAULT_EDGES)
     st_ = bal.statistics()
     assert st_.bucket_engines == (4, 4, 4, 4) and st_.bucket_server == (0, 1, 2, 3)
     assert len(st_.rank_load) == 64 and math.fsum(st_.rank_load) == 0.0

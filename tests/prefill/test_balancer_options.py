@@ -113,7 +113,7 @@ def _oracle(loads, candidates, ranks, wake):
 )  # fmt: skip
 def test_engine_aware_choice_matches_the_brute_force_oracle(ops, wake):
     bal = make(initial_engines=[2, 1, 1], wake_penalty_s=wake)
-    plain = make(initial_engines=[2, 1, 1])
+    plain = make(initial_engines=[2, 1, 1], rank_rule="least_load")
     live = []
     for i, (total, finish, pick) in enumerate(ops):
         if finish and live:

@@ -36,6 +36,15 @@ class Model:
             loads[f].append(self.quota(rid))
         return [math.fsum(x) for x in loads]
 
+    def rank_work(self):
+        """Step-time work per rank (quota plus routed-expert time) and requests per rank."""
+        work = [[] for _ in range(ENGINES * RANKS)]
+        count = [0] * (ENGINES * RANKS)
+        for rid, (total, cached, done, f) in self.live.items():
+            work[f].append(self.quota(rid) + COST.moe_s_per_token * (total - cached - done))
+            count[f] += 1
+        return [math.fsum(x) for x in work], count
+
     def on_engine(self, e):
         return {rid for rid, v in self.live.items() if v[3] // RANKS == e}
 
@@ -66,6 +75,7 @@ class BalancerMachine(RuleBasedStateMachine):
         self.next_id += 1
         stats = self.bal.statistics()
         before = self.bal.rank_loads()
+        work, count = self.model.rank_work()
         d = self.bal.route(rid, total, cached, now_s=self.tick(dt))
         assert d.bucket == sum(total >= e for e in EDGES)
         if d.engine < 0:
@@ -89,6 +99,25 @@ class BalancerMachine(RuleBasedStateMachine):
         f = d.engine * RANKS + d.rank
         want = min(cand, key=score)
         reason = "own_bucket" if server == d.bucket else "shared_bucket"
+        lockstep = self.OPTIONS.get("rank_rule", "lockstep") == "lockstep" and not any(
+            self.OPTIONS.get(k) for k in ("wake_penalty_s", "fill_holes", "context_parallel")
+        )
+        if lockstep:
+            # Earliest finish in lockstep steps (budget 1 s), plus 0.1 x the engine's growth.
+            rem = total - cached
+            own = float(COST.quota(rem, cached)) + COST.moe_s_per_token * rem
+
+            def lockstep_score(x):
+                e = x // RANKS
+                top = max(work[e * RANKS : (e + 1) * RANKS])
+                busy = sum(count[e * RANKS : (e + 1) * RANKS]) > 0
+                y = work[x] + own
+                fin = min(max(y, top), math.ceil(y / 1.0)) if busy else y
+                return fin + 0.1 * max(0.0, y - top)
+
+            best = min(lockstep_score(x) for x in cand)
+            assert lockstep_score(f) <= best + 1e-9 * max(1.0, best)
+            want = f
         if self.OPTIONS.get("context_parallel"):
             # The engine with the least mean load (plus the wake penalty when idle; lowest
             # engine on ties), then its least loaded rank (lowest on ties).
@@ -314,6 +343,12 @@ class BalancerMachine(RuleBasedStateMachine):
             assert all(h >= 0 for h in stats.bucket_server)
 
 
+class LeastLoadMachine(BalancerMachine):
+    """The same rules with the plain least-load rank choice."""
+
+    OPTIONS: ClassVar[dict[str, Any]] = {"initial_engines": [2, 1, 1], "rank_rule": "least_load"}
+
+
 class OptionsMachine(BalancerMachine):
     """The same rules with a cold start, engine-aware rank choice and a drain limit."""
 
@@ -342,6 +377,8 @@ BalancerMachine.TestCase.settings = settings(stateful_step_count=40, deadline=No
 ContextParallelMachine.TestCase.settings = settings(stateful_step_count=40, deadline=None)
 TestContextParallelMachine = ContextParallelMachine.TestCase
 TestBalancerMachine = BalancerMachine.TestCase
+LeastLoadMachine.TestCase.settings = settings(stateful_step_count=40, deadline=None)
+TestLeastLoadMachine = LeastLoadMachine.TestCase
 OptionsMachine.TestCase.settings = settings(stateful_step_count=40, deadline=None)
 TestOptionsMachine = OptionsMachine.TestCase
 FillMachine.TestCase.settings = settings(stateful_step_count=40, deadline=None)

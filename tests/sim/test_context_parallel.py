@@ -44,7 +44,7 @@ def test_context_parallel_policy_options():
     pol = context_parallel_policy("lbkit", 4, 2, cost=cost)
     cfg = pol.balancer.state_dict()["config"]
     assert all(cfg[k] == v for k, v in LBKIT_CP_OPTIONS.items())
-    flat = context_parallel_policy("lbkit_nobuckets", 4, 2, cost=cost)
-    assert flat.name == "lbkit_nobuckets" and flat.balancer.edges == (1,)  # every prompt >= 1
-    with pytest.raises(ValueError, match="name: must be 'lbkit' or 'lbkit_nobuckets'"):
+    bucketed = context_parallel_policy("lbkit_buckets", 4, 2, cost=cost)
+    assert bucketed.name == "lbkit_buckets" and len(bucketed.balancer.edges) == 3
+    with pytest.raises(ValueError, match="name: must be 'lbkit' or 'lbkit_buckets'"):
         context_parallel_policy("round_robin", 4, 2, cost=cost)

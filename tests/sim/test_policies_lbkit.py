@@ -7,15 +7,16 @@ import dataclasses
 import numpy as np
 
 from lbkit.core import PRESETS
+from lbkit.prefill import PrefillBalancer
 from lbkit.sim.engine import scale_to_utilization, simulate_prefill
 from lbkit.sim.metrics import prefill_metrics
-from lbkit.sim.policies import LBKIT_OPTIONS, PREFILL_POLICIES
+from lbkit.sim.policies import LBKIT_BUCKET_OPTIONS, PREFILL_POLICIES
 from lbkit.sim.workload import synthetic_trace
 
 H800 = PRESETS["h800_dsv3"].prefill
 
 
-def test_lbkit_allocates_from_demand_and_matches_least_tokens_on_short_prompts():
+def test_lbkit_buckets_allocates_from_demand_and_matches_least_tokens_on_short_prompts():
     # Only prompts under 16K tokens: after the cold start every engine serves bucket 0, so no
     # engine idles in an empty bucket (the pool does not wait for 30 s rounds to find out).
     t = synthetic_trace(3000, rate_per_s=20.0, rng=4)
@@ -24,7 +25,7 @@ def test_lbkit_allocates_from_demand_and_matches_least_tokens_on_short_prompts()
         cached_tokens=np.minimum(t.cached_tokens, 8000),
     )  # fmt: skip
     t = scale_to_utilization(t, 0.7, num_ranks=16, cost=H800)[0]
-    pol = PREFILL_POLICIES["lbkit"](4, 4, cost=H800, rng=0)
+    pol = PREFILL_POLICIES["lbkit_buckets"](4, 4, cost=H800, rng=0)
     run = simulate_prefill(t, pol, num_engines=4, ranks_per_engine=4, cost=H800)
     stats = pol.balancer.statistics()
     assert stats.bucket_engines == (4, 0, 0, 0) and stats.queued == 0
@@ -38,6 +39,11 @@ def test_lbkit_allocates_from_demand_and_matches_least_tokens_on_short_prompts()
 def test_lbkit_options_are_the_documented_ones():
     pol = PREFILL_POLICIES["lbkit"](2, 2, cost=H800)
     cfg = pol.balancer.state_dict()["config"]
-    assert {k: cfg[k] for k in LBKIT_OPTIONS} == dict(LBKIT_OPTIONS)
-    flat = PREFILL_POLICIES["lbkit_nobuckets"](2, 2, cost=H800).balancer.state_dict()["config"]
-    assert flat["wake_penalty_s"] == LBKIT_OPTIONS["wake_penalty_s"] and flat["edges"] == [1]
+    # the measured configuration is the default one
+    assert cfg == PrefillBalancer(2, 2, cost=H800).state_dict()["config"]
+    assert cfg["rank_rule"] == "lockstep" and cfg["edges"] == []
+    buckets = PREFILL_POLICIES["lbkit_buckets"](2, 2, cost=H800).balancer.state_dict()["config"]
+    assert buckets["edges"] == list(LBKIT_BUCKET_OPTIONS["edges"])
+    assert buckets["cold_start_s"] == LBKIT_BUCKET_OPTIONS["cold_start_s"]
+    least = PREFILL_POLICIES["lbkit_least_load"](2, 2, cost=H800).balancer.state_dict()["config"]
+    assert least["rank_rule"] == "least_load"

@@ -15,7 +15,7 @@ from lbkit.prefill import plan_chunks
 from lbkit.sim import _kernels as K
 from lbkit.sim.engine import SHARING, scale_to_utilization, simulate_prefill
 from lbkit.sim.metrics import prefill_metrics
-from lbkit.sim.policies import EV_MOVE, LBKIT_OPTIONS, LbkitPrefill
+from lbkit.sim.policies import EV_MOVE, LBKIT_BUCKET_OPTIONS, LbkitPrefill
 from lbkit.sim.traces import Trace
 from lbkit.sim.workload import synthetic_trace
 
@@ -233,7 +233,7 @@ def test_conservation_determinism_and_loss_sums(mode, policy):
 def test_lbkit_ledger_follows_the_moves(horizon):
     t = synthetic_trace(400, rate_per_s=60.0, rng=5)
     t = scale_to_utilization(t, 0.9, num_ranks=8, cost=H800)[0]
-    pol = LbkitPrefill(2, 4, cost=H800, rng=0, **LBKIT_OPTIONS)
+    pol = LbkitPrefill(2, 4, cost=H800, rng=0, **LBKIT_BUCKET_OPTIONS)
     run = simulate_prefill(t, pol, num_engines=2, ranks_per_engine=4, cost=H800,
                            work_sharing="level", horizon_s=horizon)  # fmt: skip
     bal = pol.balancer

@@ -6,6 +6,8 @@ Pure decision functions (numpy in, indices or NamedTuples out):
 - :func:`allocate_engines`: engines per bucket, Adams' method by default (``apportion.py``);
 - :func:`rebalance`: one hysteresis step of engine moves (``hysteresis.py``);
 - :func:`pick_rank`: least quota load, lowest index on ties (``ranks.py``);
+- :func:`lockstep_rank`: the earliest estimated finish, engines stepping together
+  (``lockstep.py``; the balancer's default rule);
 - :func:`plan_chunks`: one step of a rank's FIFO queue under a time budget (``chunking.py``).
 
 :class:`PrefillBalancer` (``balancer.py``) embeds them in a router.
@@ -31,6 +33,7 @@ from lbkit.prefill.balancer import (
 from lbkit.prefill.buckets import DEFAULT_EDGES, bucket_of
 from lbkit.prefill.chunking import ChunkPlan, plan_chunks
 from lbkit.prefill.hysteresis import Move, Rebalance, rebalance
+from lbkit.prefill.lockstep import lockstep_rank
 from lbkit.prefill.ranks import pick_rank
 
 __all__ = [
@@ -51,6 +54,7 @@ __all__ = [
     "allocate_engines",
     "bottleneck",
     "bucket_of",
+    "lockstep_rank",
     "pick_rank",
     "plan_chunks",
     "rebalance",

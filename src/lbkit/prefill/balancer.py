@@ -70,9 +70,20 @@ from lbkit.prefill.apportion import (
     _serving,
     allocate_engines,
 )
-from lbkit.prefill.buckets import DEFAULT_EDGES, check_edges
+from lbkit.prefill.buckets import check_edges
 from lbkit.prefill.chunking import ChunkPlan, plan_chunks
 from lbkit.prefill.hysteresis import Move, rebalance
+from lbkit.prefill.lockstep import (
+    C_B,
+    C_BUDGET,
+    C_GAMMA,
+    C_GROWTH,
+    C_K,
+    C_MOE,
+    C_Q,
+    N_COEF,
+    lockstep_scored,
+)
 
 __all__ = [
     "REASONS",
@@ -93,6 +104,7 @@ REASONS = ("own_bucket", "shared_bucket", "spill", "fill", "no_engine")
 _ACTIVE, _DRAINING, _OUT = 0, 1, 2
 _STATE_NAMES = ("active", "draining", "out")
 _STATE_VERSION = 1
+_NO_HITS = np.zeros(0, dtype=np.int64)
 
 
 class RouteDecision(NamedTuple):
@@ -246,8 +258,10 @@ class PrefillBalancer:
         ``e * ranks_per_engine + r``.
     cost : QuadraticCost
         Prefill step-cost model of one rank (see :data:`lbkit.core.PRESETS`).
-    edges : sequence of int, default ``DEFAULT_EDGES``
-        Bucket edges in tokens (lower edge inclusive).
+    edges : sequence of int, default ``()``
+        Bucket edges in tokens (lower edge inclusive). Default: one bucket, the whole pool
+        (DeepSeek's length buckets, ``DEFAULT_EDGES``, cost goodput with the lockstep rule on
+        every scenario of ``benchmarks/goodput_world.py``; see docs/simulator.md).
     round_s : float, default 30
         Nominal round length; :meth:`round_due` tells the caller when to call :meth:`end_round`.
     ema_alpha : float in (0, 1], default 0.5
@@ -298,6 +312,15 @@ class PrefillBalancer:
         rank (its queue owner); ``wake_penalty_s`` is added to the score of an idle engine and
         ``spill_ratio`` compares the same engine scores. Not combined with ``fill_holes`` or
         ``sample`` (rank-level rules).
+    rank_rule : {"lockstep", "least_load"}, default "lockstep"
+        Rank choice inside the bucket's engines: the earliest estimated finish with engines
+        stepping together (:mod:`lbkit.prefill.lockstep`, cache-aware with per-rank
+        ``cached_tokens``), or the least quota load. ``sample``, ``wake_penalty_s``,
+        ``fill_holes`` and ``context_parallel`` refine the least-load rule and select it.
+    step_budget_s : float, default 1.0
+        The engines' step time budget, seconds (lockstep rule).
+    growth_weight : float, default 0.1
+        Lockstep rule: seconds of score per second a request adds to its engine's busiest rank.
     rng : numpy Generator, int seed or None
         Randomness for ``sample``.
     now_s : float, default 0
@@ -308,15 +331,27 @@ class PrefillBalancer:
     >>> from lbkit.core import PRESETS
     >>> bal = PrefillBalancer(4, 2, cost=PRESETS["h800_dsv3"].prefill)
     >>> bal.route("a", 20000, 4096, now_s=0.0)
-    RouteDecision(engine=1, rank=0, bucket=1, reason='own_bucket')
+    RouteDecision(engine=0, rank=0, bucket=0, reason='own_bucket')
+
+    A second long prompt finishes as early next to it (its steps are paced by the first one's
+    anyway) and keeps the idle engines for short prompts:
+
     >>> bal.route("b", 20000, 0, now_s=0.1)
-    RouteDecision(engine=1, rank=1, bucket=1, reason='own_bucket')
+    RouteDecision(engine=0, rank=1, bucket=0, reason='own_bucket')
     >>> bal.chunk_done("a", 15904, now_s=1.0)
     0
     >>> bal.finish("a", now_s=1.0)
     0
+
+    With per-rank prefix caches, the cached tokens of the request on every flat rank: the rank
+    holding most of the prompt wins.
+
+    >>> hits = np.zeros(8, dtype=np.int64)
+    >>> hits[6] = 28672
+    >>> bal.route("c", 30000, hits, now_s=1.0)
+    RouteDecision(engine=3, rank=0, bucket=0, reason='own_bucket')
     >>> bal.statistics().queued
-    1
+    2
     >>> bal._check()
     """
 
@@ -326,7 +361,7 @@ class PrefillBalancer:
         ranks_per_engine: int,
         *,
         cost: QuadraticCost,
-        edges: Any = DEFAULT_EDGES,
+        edges: Any = (),
         round_s: float = 30.0,
         ema_alpha: float = 0.5,
         deadband: float = 0.1,
@@ -343,6 +378,9 @@ class PrefillBalancer:
         wake_penalty_s: float | None = None,
         fill_holes: bool = False,
         context_parallel: bool = False,
+        rank_rule: str = "lockstep",
+        step_budget_s: float = 1.0,
+        growth_weight: float = 0.1,
         rng: np.random.Generator | int | None = None,
         now_s: float = 0.0,
     ) -> None:
@@ -351,7 +389,7 @@ class PrefillBalancer:
         if not isinstance(cost, QuadraticCost):
             raise TypeError(f"cost: must be a QuadraticCost, got {type(cost).__name__}")
         self._cost = cost
-        self._edges = check_edges(edges)
+        self._edges = check_edges(edges, allow_empty=True)
         nb = len(self._edges) + 1
         self._round_s = check_real(round_s, "round_s", min_value=0.0, strict_min=True)
         self._alpha = check_real(
@@ -404,6 +442,18 @@ class PrefillBalancer:
                     raise ValueError(
                         f"context_parallel: cannot be combined with {opt} (a rank-level rule)"
                     )
+        self._rule = check_choice(rank_rule, "rank_rule", ("lockstep", "least_load"))
+        if self._cp or self._fill or self._sample is not None or self._wake is not None:
+            self._rule = "least_load"
+        self._moe = float(cost.moe_s_per_token)
+        self._coef = np.zeros(N_COEF)
+        self._coef[C_B], self._coef[C_K] = cost.b, cost.k
+        self._coef[C_Q], self._coef[C_GAMMA] = cost.q, cost.gamma
+        self._coef[C_MOE] = self._moe
+        self._coef[C_BUDGET] = check_real(
+            step_budget_s, "step_budget_s", min_value=0.0, strict_min=True
+        )
+        self._coef[C_GROWTH] = check_real(growth_weight, "growth_weight", min_value=0.0)
         self._rng = as_rng(rng)
         now = _time(now_s)
         if initial_engines is None:
@@ -425,6 +475,8 @@ class PrefillBalancer:
         self._last_move = np.full(e, -np.inf)
         self._seq = np.full(e, -1, dtype=np.int64)
         self._load = np.zeros(n)  # in slot order (see _rebuild)
+        self._work = np.zeros(n)  # step-time work per slot (lockstep rule)
+        self._count = np.zeros(n, dtype=np.int64)  # requests per slot
         self._slot: list[int] = list(range(n))  # flat rank -> slot
         self._rank_at: list[int] = list(range(n))  # slot -> flat rank
         self._lo: list[int] = [0] * nb
@@ -487,7 +539,10 @@ class PrefillBalancer:
         """Recompute the routing slices after engines changed state or bucket."""
         nb = self.num_buckets
         r = self._ranks
-        flat_load = self._load[np.asarray(self._slot, dtype=np.int64)]
+        to_flat = np.asarray(self._slot, dtype=np.int64)
+        flat_load = self._load[to_flat]
+        flat_work = self._work[to_flat]
+        flat_count = self._count[to_flat]
         active = self._state == _ACTIVE
         counts = np.bincount(self._home[active], minlength=nb)
         server = _serving(counts)
@@ -508,7 +563,10 @@ class PrefillBalancer:
         for s, f in enumerate(order):
             slot[f] = s
         self._slot = slot
-        self._load = flat_load[np.asarray(order, dtype=np.int64)]
+        self._order = np.asarray(order, dtype=np.int64)
+        self._load = flat_load[self._order]
+        self._work = flat_work[self._order]
+        self._count = flat_count[self._order]
         self._server = server.tolist()
         self._lo = [start[h] if h >= 0 else 0 for h in self._server]
         self._hi = [stop[h] if h >= 0 else 0 for h in self._server]
@@ -521,18 +579,46 @@ class PrefillBalancer:
             else 0.0
         )
 
-    def _choose(self, bucket: int, quota: float) -> tuple[int, str]:
-        """Slot for a new request of ``bucket`` and ``quota`` (-1 if no engine), and the reason.
+    def _choose(
+        self, bucket: int, total: int, cached: int, hits: np.ndarray | None
+    ) -> tuple[int, str, int]:
+        """Slot for a new request of ``bucket`` (-1 if no engine), the reason and the request's
+        cached tokens there (``hits``: per flat rank, or ``None`` for ``cached`` everywhere)."""
+        lo = self._lo[bucket]
+        hi = self._hi[bucket]
+        if lo == hi:
+            return -1, "no_engine", cached
+        if self._rule == "lockstep":
+            return self._choose_lockstep(bucket, lo, hi, total, cached, hits)
+        if self._cp:
+            slot, reason = self._choose_engine(bucket, lo, hi)
+        else:
+            slot, reason = self._choose_least(bucket, lo, hi, self._quota(total - cached, cached))
+        return slot, reason, cached if hits is None else int(hits[self._rank_at[slot]])
+
+    def _choose_lockstep(
+        self, bucket: int, lo: int, hi: int, total: int, cached: int, hits: np.ndarray | None
+    ) -> tuple[int, str, int]:
+        """``_choose`` under the lockstep rule (kernel ``lockstep_scored``, one pass per range)."""
+        work, count, r, coef = self._work, self._count, self._ranks, self._coef
+        h = _NO_HITS if hits is None else hits[self._order]
+        k, score, hit = lockstep_scored(work, count, lo, hi, r, total, h, cached, coef)
+        slot = lo + k
+        reason = "own_bucket" if self._server[bucket] == bucket else "shared_bucket"
+        if self._spill is not None:
+            best = score
+            for nlo, nhi in self._neighbours(bucket):
+                nk, nscore, nhit = lockstep_scored(work, count, nlo, nhi, r, total, h, cached, coef)
+                if score > self._spill * nscore and nscore < best:
+                    slot, best, hit, reason = nlo + nk, nscore, nhit, "spill"
+        return slot, reason, int(hit)
+
+    def _choose_least(self, bucket: int, lo: int, hi: int, quota: float) -> tuple[int, str]:
+        """``_choose`` under the least-load rule.
 
         Scores and holes come from the kernels ``least_scored`` and ``roomy_slot`` (one pass
         over the slots each); ``sample`` draws its candidates in numpy.
         """
-        lo = self._lo[bucket]
-        hi = self._hi[bucket]
-        if lo == hi:
-            return -1, "no_engine"
-        if self._cp:
-            return self._choose_engine(bucket, lo, hi)
         load = self._load
         r = self._ranks
         wake = 0.0 if self._wake is None else self._wake
@@ -614,8 +700,11 @@ class PrefillBalancer:
             integers are stored as ``int``.
         total_tokens : int
             Prompt length including the cached prefix (>= 1).
-        cached_tokens : int, default 0
-            Prefix already in KV cache (``0 <= cached_tokens <= total_tokens``).
+        cached_tokens : int or array_like of int, shape (num_ranks,), default 0
+            Prefix already in KV cache (``0 <= cached_tokens <= total_tokens``): one figure
+            (a cache shared by the pool) or one per flat rank (each rank its own cache, e.g.
+            from a prefix index fed by KV events); the request is charged the work of what
+            it computes on the rank it gets.
         now_s : float
             Current time, seconds.
 
@@ -637,6 +726,10 @@ class PrefillBalancer:
         Runtime complexity: O(ranks of the bucket's engines) (one kernel pass; with
         ``fill_holes`` or ``spill_ratio`` at most three more over the active ranks).
         """
+        hits = None
+        if type(cached_tokens) is not int and isinstance(cached_tokens, (np.ndarray, list, tuple)):
+            hits = self._hits_iv(cached_tokens, total_tokens)
+            cached_tokens = int(hits.min())
         if not (
             type(total_tokens) is int
             and type(cached_tokens) is int
@@ -651,19 +744,31 @@ class PrefillBalancer:
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already in the ledger")
         bucket = bisect.bisect_right(self._edges, total_tokens)
-        quota = self._quota(total_tokens - cached_tokens, cached_tokens)
+        slot, reason, cached = self._choose(bucket, total_tokens, cached_tokens, hits)
+        quota = self._quota(total_tokens - cached, cached)
         self._round_quota[bucket] += quota
-        slot, reason = self._choose(bucket, quota)
         if slot < 0:
             self._counts["refused"] += 1
             return RouteDecision(-1, -1, bucket, reason)
-        self._load[slot] += quota
         flat = self._rank_at[slot]
-        req = _Request(request_id, flat, bucket, total_tokens, cached_tokens, 0, quota)
+        req = _Request(request_id, flat, bucket, total_tokens, cached, 0, quota)
         self._requests[request_id] = req
         self._queues[flat][request_id] = req
+        self._resum(flat)
         self._counts["routed"] += 1
         return RouteDecision(flat // self._ranks, flat % self._ranks, bucket, reason)
+
+    def _hits_iv(self, cached_tokens: Any, total_tokens: Any) -> np.ndarray:
+        total = _tokens(total_tokens, "total_tokens")
+        hits = as_int_array(
+            cached_tokens, "cached_tokens", shape=(self.num_ranks,), min_value=0
+        )
+        if hits.shape[0] and int(hits.max()) > total:
+            raise ValueError(
+                f"cached_tokens: must be <= total_tokens ({total}) on every rank, "
+                f"got {int(hits.max())}"
+            )
+        return hits
 
     @staticmethod
     def _route_iv(total_tokens: Any, cached_tokens: Any, now_s: Any) -> tuple[int, int, float]:
@@ -689,8 +794,7 @@ class PrefillBalancer:
         req.done = done
         req.quota = new
         # Re-sum the rank's queue (short) rather than subtract: no cancellation error builds up.
-        queue = self._queues[req.rank]
-        self._load[self._slot[req.rank]] = math.fsum(r.quota for r in queue.values())
+        self._resum(req.rank)
         return abs(delta)
 
     def chunk_done(self, request_id: Hashable, tokens: int, *, now_s: float) -> int:
@@ -764,8 +868,7 @@ class PrefillBalancer:
         self._queues[new][req.rid] = req
         req.rank = new
         for f in (old, new):
-            queue = self._queues[f]
-            self._load[self._slot[f]] = math.fsum(q.quota for q in queue.values()) if queue else 0.0
+            self._resum(f)
         self._counts["reassigned"] += 1
 
     def finish(self, request_id: Hashable, *, now_s: float) -> int:
@@ -862,8 +965,7 @@ class PrefillBalancer:
                 del self._queues[req.rank][req.rid]
                 n_fin += 1
         for f in touched:
-            queue = self._queues[f]
-            self._load[self._slot[f]] = math.fsum(q.quota for q in queue.values()) if queue else 0.0
+            self._resum(f)
         self._counts["finished"] += n_fin
         if n_fin:
             for e in sorted({f // self._ranks for f in touched}):
@@ -872,13 +974,24 @@ class PrefillBalancer:
 
     def _drop(self, req: _Request) -> None:
         del self._requests[req.rid]
-        queue = self._queues[req.rank]
-        del queue[req.rid]
-        slot = self._slot[req.rank]
+        del self._queues[req.rank][req.rid]
+        self._resum(req.rank)
+
+    def _resum(self, flat: int) -> None:
+        """Re-sum a rank's quota load, step-time work and request count from its queue (exact
+        sums: no cancellation error builds up)."""
+        queue = self._queues[flat]
+        slot = self._slot[flat]
         if queue:
             self._load[slot] = math.fsum(r.quota for r in queue.values())
+            moe = self._moe
+            self._work[slot] = math.fsum(
+                r.quota + moe * (r.total - r.cached - r.done) for r in queue.values()
+            )
         else:
             self._load[slot] = 0.0
+            self._work[slot] = 0.0
+        self._count[slot] = len(queue)
 
     def _engine_requests(self, engine: int) -> int:
         r = self._ranks
@@ -995,18 +1108,17 @@ class PrefillBalancer:
         for f in range(engine * r, engine * r + r):
             for req in list(self._queues[f].values()):
                 self._drop(req)
-                full = self._quota(req.total - req.cached, req.cached)
-                slot, reason = self._choose(req.bucket, full)
+                slot, reason, _ = self._choose(req.bucket, req.total, req.cached, None)
                 if slot < 0:
                     self._counts["handed_back"] += 1
                     moved.append((req.rid, RouteDecision(-1, -1, req.bucket, reason)))
                     continue
                 req.done = 0
                 req.quota = self._quota(req.total - req.cached, req.cached)
-                self._load[slot] += req.quota
                 req.rank = self._rank_at[slot]
                 self._requests[req.rid] = req
                 self._queues[req.rank][req.rid] = req
+                self._resum(req.rank)
                 self._counts["rerouted"] += 1
                 moved.append(
                     (req.rid, RouteDecision(req.rank // r, req.rank % r, req.bucket, reason))
@@ -1236,7 +1348,15 @@ class PrefillBalancer:
             "config": {
                 "num_engines": self._num_engines,
                 "ranks_per_engine": self._ranks,
-                "cost": {"a": c.a, "b": c.b, "k": c.k, "q": c.q, "gamma": c.gamma},
+                "cost": {
+                    "a": c.a,
+                    "b": c.b,
+                    "k": c.k,
+                    "q": c.q,
+                    "gamma": c.gamma,
+                    "b_moe": c.b_moe,
+                    "moe_lb": c.moe_lb,
+                },
                 "edges": list(self._edges),
                 "round_s": self._round_s,
                 "ema_alpha": self._alpha,
@@ -1253,6 +1373,9 @@ class PrefillBalancer:
                 "wake_penalty_s": self._wake,
                 "fill_holes": self._fill,
                 "context_parallel": self._cp,
+                "rank_rule": self._rule,
+                "step_budget_s": float(self._coef[C_BUDGET]),
+                "growth_weight": float(self._coef[C_GROWTH]),
             },
             "state": {
                 "engine_bucket": self._home.tolist(),
@@ -1313,6 +1436,9 @@ class PrefillBalancer:
                 raise ValueError(f"state: request {rid!r} appears twice")
             bal._requests[rid] = req
             bal._queues[rank][rid] = req
+        for f in range(bal.num_ranks):
+            bal._resum(f)
+        bal._load = load[np.asarray(bal._rank_at, dtype=np.int64)]  # as saved (checked below)
         bal._round_quota = [float(x) for x in s["round_quota"]]
         bal._demand = np.asarray(s["demand"], dtype=np.float64)
         bal._counts = {**bal._counts, **s["counts"]}

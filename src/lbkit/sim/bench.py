@@ -252,7 +252,7 @@ def run_bench(
             else (lambda d, t, name=name: progress(f"prefill {name}", d, t))
         )
         policy: Any = name
-        if sharing == "split" and name in ("lbkit", "lbkit_nobuckets"):
+        if sharing == "split" and name in ("lbkit", "lbkit_buckets"):
             policy = context_parallel_policy(name, pe, rpe, cost=preset.prefill, rng=seed)
         start = time.perf_counter()
         run = simulate_prefill(

@@ -26,25 +26,21 @@ What each policy uses:
 ``least_requests`` ``view.num_requests``; ties: lowest flat index
 ``least_tokens``   ``view.tokens``; ties: lowest flat index
 ``power_of_two``   ``view.tokens`` of two distinct uniform ranks; the fewer wins (ties: lower index)
-``lbkit``          its own ledger: :class:`lbkit.prefill.PrefillBalancer` (length buckets, engines
-                   apportioned per bucket every 30 s round, least quota load inside the bucket),
-                   fed the request's lengths at routing and the progress, completion and move
-                   events (``reassign``), with the options :data:`LBKIT_OPTIONS`
-``lbkit_nobuckets`` the same balancer with a single bucket: least quota load over the whole pool
+``lbkit``          its own ledger: :class:`lbkit.prefill.PrefillBalancer` with its defaults
+                   (the lockstep rule of :mod:`lbkit.prefill.lockstep` over the whole pool:
+                   the rank where the request finishes first, engines stepping together, plus
+                   a charge for lengthening its engine's work), fed the request's lengths and
+                   ``view.hit_tokens`` (its cached tokens on every rank) at routing and the
+                   progress, completion and move events (``reassign``)
+``lbkit_buckets``  ablation: the same with DeepSeek's length buckets, :data:`LBKIT_BUCKET_OPTIONS`
+``lbkit_least_load`` ablation: engine-aware choice off (the least quota load, lowest index)
+``lbkit_nocache``  ablation: cache-awareness off (the least of the per-rank hits everywhere)
 ============== ======================================================================
 
-:data:`LBKIT_OPTIONS` are the balancer options of both lbkit policies: a cold start (the pool
-is one group until a first re-plan after 5 s allocates engines from the demand seen), no engine
-moves while its busiest rank holds more than 30 s of work, engine-aware rank choice (a rank of an
-idle engine counts one second, one default step budget, more than its load, so requests fill the
-free ranks of engines already stepping first), spill-over to a neighbouring bucket whose best
-rank is three times less loaded, and hole filling (a request may take a rank of another bucket's
-engine where it runs within the steps that engine takes anyway).
-
 Under ``simulate_prefill(work_sharing="split")`` (context-parallel engines) ``lbkit bench``
-runs both lbkit policies with :data:`LBKIT_CP_OPTIONS` (:func:`context_parallel_policy`): a
-request goes to the engine of its bucket with the least mean quota load, since an engine's idle
-ranks share a long prompt's chunks.
+runs ``lbkit`` and ``lbkit_buckets`` with :data:`LBKIT_CP_OPTIONS`
+(:func:`context_parallel_policy`): a request goes to the engine with the least mean quota load,
+since an engine's idle ranks share a long prompt's chunks.
 
 Baselines treat the pool as one flat list of ranks; they know nothing of engines or lengths.
 """
@@ -69,8 +65,8 @@ __all__ = [
     "EV_FINISH",
     "EV_MOVE",
     "EV_PROGRESS",
+    "LBKIT_BUCKET_OPTIONS",
     "LBKIT_CP_OPTIONS",
-    "LBKIT_OPTIONS",
     "PREFILL_POLICIES",
     "LbkitPrefill",
     "LeastRequests",
@@ -82,29 +78,24 @@ __all__ = [
 ]
 
 
-#: Options of :class:`~lbkit.prefill.PrefillBalancer` used by the ``lbkit`` policies.
-LBKIT_OPTIONS: Mapping[str, Any] = MappingProxyType(
+#: Options of the ``lbkit_buckets`` ablation: DeepSeek's length buckets (``DEFAULT_EDGES``),
+#: engines apportioned per bucket every 30 s round after a 5 s cold start, no engine moved while
+#: its busiest rank holds more than 30 s of work, spill-over to a neighbouring bucket whose best
+#: rank scores three times lower. The ``lbkit`` policy itself runs
+#: :class:`~lbkit.prefill.PrefillBalancer`'s defaults.
+LBKIT_BUCKET_OPTIONS: Mapping[str, Any] = MappingProxyType(
     {
+        "edges": DEFAULT_EDGES,
         "cold_start_s": 5.0,
         "max_drain_s": 30.0,
-        "wake_penalty_s": 1.0,
         "spill_ratio": 3.0,
-        "fill_holes": True,
     }
 )
 
 #: Options of both ``lbkit`` policies for engines with context parallelism
 #: (``simulate_prefill(work_sharing="split")``): engines scored by their mean quota load
-#: (``context_parallel``), with the cold start, drain limit and spill-over of
-#: :data:`LBKIT_OPTIONS` (``lbkit_nobuckets``: ``context_parallel`` alone).
-LBKIT_CP_OPTIONS: Mapping[str, Any] = MappingProxyType(
-    {
-        "cold_start_s": 5.0,
-        "max_drain_s": 30.0,
-        "spill_ratio": 3.0,
-        "context_parallel": True,
-    }
-)
+#: (``context_parallel``); ``lbkit_buckets`` adds :data:`LBKIT_BUCKET_OPTIONS`.
+LBKIT_CP_OPTIONS: Mapping[str, Any] = MappingProxyType({"context_parallel": True})
 
 
 class _Baseline:
@@ -214,22 +205,21 @@ class PowerOfTwo(_Baseline):
 class LbkitPrefill:
     """lbkit's :class:`~lbkit.prefill.PrefillBalancer` behind the simulator's policy protocol.
 
-    The balancer routes each request (``route``), learns its progress and completion from the
-    events (``chunk_done``, ``finish``) and re-plans engines per bucket whenever a round is due
-    (``end_round``, checked at each arrival). Of the view it reads only ``hit_tokens``: with
-    per-rank prefix caches it passes the least of a request's per-rank hits as its cached
-    tokens (the balancer is not cache-aware; with a global cache every rank's hit is the same).
+    The balancer routes each request (``route``) with the per-rank cached tokens of the view
+    (``hit_tokens``, exact as from KV events; ``cache_aware=False`` passes their least instead),
+    learns its progress and completion from the events (``chunk_done``, ``finish``, and
+    ``reassign`` for moves) and re-plans engines per bucket whenever a round is due
+    (``end_round``, checked at each arrival).
 
     Parameters
     ----------
     num_engines, ranks_per_engine : int
     cost : QuadraticCost
     rng : numpy Generator, int seed or None
-    edges : sequence of int, optional
-        Bucket edges; default :data:`lbkit.prefill.DEFAULT_EDGES`. ``None`` means a single
-        bucket (no buckets): the least quota load over the whole pool.
+    name : str, default "lbkit"
+    cache_aware : bool, default True
     **options
-        Passed to :class:`~lbkit.prefill.PrefillBalancer` (``round_s``, ``deadband``, ...).
+        Passed to :class:`~lbkit.prefill.PrefillBalancer` (none: its defaults).
     """
 
     def __init__(
@@ -239,21 +229,15 @@ class LbkitPrefill:
         *,
         cost: QuadraticCost,
         rng: Any = None,
-        edges: Any = DEFAULT_EDGES,
+        name: str = "lbkit",
+        cache_aware: bool = True,
         **options: Any,
     ) -> None:
         self._r = ranks_per_engine
-        if edges is None:
-            # One bucket that holds every request (all lengths are >= 1); the empty bucket 0
-            # gets no engine.
-            options = {"initial_engines": (0, num_engines), "max_engines": (0, num_engines),
-                       **options}  # fmt: skip
-            edges = (1,)
-            self.name = "lbkit_nobuckets"
-        else:
-            self.name = "lbkit"
+        self.name = name
+        self._cache_aware = bool(cache_aware)
         self.balancer = PrefillBalancer(
-            num_engines, ranks_per_engine, cost=cost, edges=edges, rng=rng, **options
+            num_engines, ranks_per_engine, cost=cost, rng=rng, **options
         )
 
     def route(self, request: int, total_tokens: int, cached_tokens: int, /, *, now_s: float,
@@ -263,10 +247,8 @@ class LbkitPrefill:
             bal.end_round(now_s)
         hit = getattr(view, "hit_tokens", None)
         if hit is not None and hit.shape[0]:
-            # Per-rank caches: the balancer takes one cached figure per request, and the one it
-            # can count on wherever it routes is the least (its ledger never holds less work
-            # than the engine does; a request that hits more finishes early).
-            cached_tokens = int(hit.min())
+            # per-rank cached tokens (exact, as from KV events), or the least of them
+            cached_tokens = hit if self._cache_aware else int(hit.min())
         d = bal.route(request, total_tokens, cached_tokens, now_s=now_s)
         return -1 if d.rank < 0 else d.engine * self._r + d.rank
 
@@ -286,20 +268,34 @@ class LbkitPrefill:
 
 
 def _lbkit(num_engines: int, ranks_per_engine: int, *, cost: QuadraticCost, rng: Any = None):
-    return LbkitPrefill(num_engines, ranks_per_engine, cost=cost, rng=rng, **LBKIT_OPTIONS)
+    return LbkitPrefill(num_engines, ranks_per_engine, cost=cost, rng=rng)
 
 
-def _lbkit_nobuckets(
+def _lbkit_buckets(
     num_engines: int, ranks_per_engine: int, *, cost: QuadraticCost, rng: Any = None
 ):
-    opts = {k: v for k, v in LBKIT_OPTIONS.items() if k in ("wake_penalty_s", "fill_holes")}
-    return LbkitPrefill(num_engines, ranks_per_engine, cost=cost, rng=rng, edges=None, **opts)
+    return LbkitPrefill(num_engines, ranks_per_engine, cost=cost, rng=rng, name="lbkit_buckets",
+                        **LBKIT_BUCKET_OPTIONS)  # fmt: skip
+
+
+def _lbkit_least_load(
+    num_engines: int, ranks_per_engine: int, *, cost: QuadraticCost, rng: Any = None
+):
+    return LbkitPrefill(num_engines, ranks_per_engine, cost=cost, rng=rng,
+                        name="lbkit_least_load", rank_rule="least_load")  # fmt: skip
+
+
+def _lbkit_nocache(
+    num_engines: int, ranks_per_engine: int, *, cost: QuadraticCost, rng: Any = None
+):
+    return LbkitPrefill(num_engines, ranks_per_engine, cost=cost, rng=rng, name="lbkit_nocache",
+                        cache_aware=False)  # fmt: skip
 
 
 def context_parallel_policy(
     name: str, num_engines: int, ranks_per_engine: int, *, cost: QuadraticCost, rng: Any = None
 ) -> LbkitPrefill:
-    """The ``lbkit`` or ``lbkit_nobuckets`` policy configured for context-parallel engines
+    """The ``lbkit`` or ``lbkit_buckets`` policy configured for context-parallel engines
     (:data:`LBKIT_CP_OPTIONS`), as ``lbkit bench --work-sharing split`` runs them.
 
     Examples
@@ -310,10 +306,10 @@ def context_parallel_policy(
     """
     if name == "lbkit":
         return LbkitPrefill(num_engines, ranks_per_engine, cost=cost, rng=rng, **LBKIT_CP_OPTIONS)
-    if name == "lbkit_nobuckets":
-        return LbkitPrefill(num_engines, ranks_per_engine, cost=cost, rng=rng, edges=None,
-                            context_parallel=True)  # fmt: skip
-    raise ValueError(f"name: must be 'lbkit' or 'lbkit_nobuckets', got {name!r}")
+    if name == "lbkit_buckets":
+        return LbkitPrefill(num_engines, ranks_per_engine, cost=cost, rng=rng, name=name,
+                            **LBKIT_BUCKET_OPTIONS, **LBKIT_CP_OPTIONS)  # fmt: skip
+    raise ValueError(f"name: must be 'lbkit' or 'lbkit_buckets', got {name!r}")
 
 
 #: Prefill policies by name: ``factory(num_engines, ranks_per_engine, *, cost, rng)`` returns a
@@ -326,7 +322,9 @@ PREFILL_POLICIES: Mapping[str, Callable[..., Any]] = MappingProxyType(
         "least_tokens": LeastTokens,
         "power_of_two": PowerOfTwo,
         **PEER_POLICIES,
-        "lbkit_nobuckets": _lbkit_nobuckets,
+        "lbkit_buckets": _lbkit_buckets,
+        "lbkit_least_load": _lbkit_least_load,
+        "lbkit_nocache": _lbkit_nocache,
         "lbkit": _lbkit,
     }
 )
