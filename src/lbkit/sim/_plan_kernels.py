@@ -167,7 +167,10 @@ def fit_chunk(P, room, rem, p):
     """The largest chunk of a request (``rem`` tokens left after a prefix of ``p``) whose planned
     work fits ``room`` seconds, by :func:`plan_rank`'s rule for one request: whole, or aligned
     down and at least ``min_chunk`` (else 0). Work sharing and the ideal reference
-    (:mod:`lbkit.sim.ideal`) fill ranks with it."""
+    (:mod:`lbkit.sim.ideal`) fill ranks with it. The chunk starts from :func:`solve_chunk`'s
+    root, whose rounding error is far below a token for any prompt, so its three-token
+    correction finds the same chunk as an unbounded search would.
+    """
     c = 0
     if room > 0:
         c = solve_chunk(P, room, p)
