@@ -19,6 +19,11 @@ requests holding ``S_r`` KV tokens; an idle rank still steps and pays the fixed 
 active request generates one token and its KV grows by one. A request with ``o`` output tokens
 needs ``o - 1`` decode steps (prefill produced the first token); ``o = 1`` finishes at handover.
 
+The two functions here validate their options, build the pool
+(:class:`~lbkit.sim.prefill_pool.PrefillPool`, :class:`~lbkit.sim.decode_pool.DecodePool`: its
+state arrays, the policy's view, the numba kernels' calls) and replay it with
+:func:`lbkit.sim.replay.replay`, the one arrival loop of both pools.
+
 Time starts at the first arrival's time stamp as it is in the trace; nothing reads a clock.
 Policies get every piece of information through a *view* (read-only arrays of the pool's state)
 and a stream of events (finished requests, prefill progress), never the simulator's internals.
