@@ -14,6 +14,7 @@ from lbkit.core import PRESETS
 from lbkit.prefill import plan_chunks
 from lbkit.sim import _plan_kernels, _prefill_kernels, _sharing_kernels
 from lbkit.sim import _prefill_layout as K
+from lbkit.sim._bins import N_BIN
 from lbkit.sim.engine import SHARING, scale_to_utilization, simulate_prefill
 from lbkit.sim.metrics import prefill_metrics
 from lbkit.sim.policies import EV_MOVE, LBKIT_OPTIONS, LbkitPrefill
@@ -400,7 +401,7 @@ def test_start_step_with_shared_work_matches_the_model(data, ranks, n, tau, mode
     EI[K.EI_NREQ, 0] = n
     P = np.array([UNIT.a, UNIT.b, UNIT.k, UNIT.q, UNIT.gamma, tau, 1, 1, ranks, 0.0, 1e9,
                   float(mode), 1.0, moe])  # fmt: skip
-    ACC, BINS, KS = np.zeros(K.N_ACC), np.zeros((K.N_BIN, 4)), np.zeros((K.N_KS, ranks + 1))
+    ACC, BINS, KS = np.zeros(K.N_ACC), np.zeros((N_BIN, 4)), np.zeros((K.N_KS, ranks + 1))
     ev = np.zeros(n + 1, dtype=np.int64)
     SCR = np.zeros((3, max(n, ranks)), dtype=np.int64)
     _prefill_kernels.start_step(0, RI, KI, KF, EF, EI, P, ACC, BINS, KS, ev, ev.copy(), ev.copy(),

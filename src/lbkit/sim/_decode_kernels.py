@@ -22,8 +22,8 @@ its growth (one token per active request) fits: otherwise the rank's newest requ
 
 Arrays: ``DI`` (int64) and ``DF`` (float64) per request; ``DK`` (int64) per flat rank; ``DE``
 (float64) per engine; ``ACT`` (int64, engines x requests); ``D`` (float64) cost and options;
-``ACC`` (float64, ``2 * N_DACC``: the run's totals, then the window's); ``BINS`` (float64,
-``N_DBIN`` x bins); ``EVR`` (int64) the event buffer.
+``ACC`` (float64, ``2 * N_DACC``: the run's totals, then the window's); ``BINS`` (float64, the time
+bins of :mod:`lbkit.sim._bins`); ``EVR`` (int64) the event buffer.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import math
 import numpy as np
 
 from lbkit.core._jit import jit
+from lbkit.sim._bins import add_step
 
 __all__ = ["decode_admit", "decode_advance", "decode_migrate"]
 
@@ -72,9 +73,6 @@ DACC_BFLOOR = 7
 N_DACC = 8
 #: ``ACC[DACC_W + DACC_*]``: the same sums over the steps that start in ``[D_W0, D_W1)``.
 DACC_W = N_DACC
-#: Per time bin ``BINS[DBIN_*, j]``: sums of the mean and max rank time.
-DBIN_MEAN, DBIN_MAX = 0, 1
-N_DBIN = 2
 
 
 @jit
@@ -208,11 +206,7 @@ def _decode_start(e, DI, DF, DK, DE, ACT, D, ACC, BINS, EVR, nev):
         if o > 0 or not (D[D_W0] <= start < D[D_W1]):
             break
         o = DACC_W
-    j = np.int64(start / D[D_BIN_S])
-    if j >= BINS.shape[1]:
-        j = BINS.shape[1] - 1
-    BINS[DBIN_MEAN, j] += mean
-    BINS[DBIN_MAX, j] += longest
+    add_step(BINS, start, D[D_BIN_S], mean, longest)
     return nev
 
 

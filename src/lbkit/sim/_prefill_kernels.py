@@ -26,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from lbkit.core._jit import jit
+from lbkit.sim._bins import add_step
 from lbkit.sim._plan_kernels import append, local_work, plan_rank
 from lbkit.sim._prefill_layout import (
     ACC_EVENTS_TOTAL,
@@ -38,8 +39,6 @@ from lbkit.sim._prefill_layout import (
     ACC_OVERRUNS,
     ACC_STEPS,
     ACC_TOKENS,
-    BIN_MAX,
-    BIN_MEAN,
     EF_END,
     EF_READY,
     EI_NREQ,
@@ -146,11 +145,7 @@ def start_step(e, RI, KI, KF, EF, EI, P, ACC, BINS, KS, EVR, EVK, EVT, nev, SCR)
     KS[KS_STEPS, busy] += 1.0
     KS[KS_MEAN, busy] += mean
     KS[KS_MAX, busy] += longest
-    j = np.int64(start / P[P_BIN_S])
-    if j >= BINS.shape[1]:
-        j = BINS.shape[1] - 1
-    BINS[BIN_MEAN, j] += mean
-    BINS[BIN_MAX, j] += longest
+    add_step(BINS, start, P[P_BIN_S], mean, longest)
     return nev
 
 

@@ -17,7 +17,7 @@ array      dtype    rows / entries
 ``EF``     float64  ``EF[EF_*, e]`` per engine
 ``P``      float64  ``P[P_*]``: cost coefficients and options
 ``ACC``    float64  ``ACC[ACC_*]``: run totals
-``BINS``   float64  ``BINS[BIN_*, j]``: balance sums per time bin ``j``
+``BINS``   float64  balance sums per time bin (rows in :mod:`lbkit.sim._bins`)
 ``KS``     float64  ``KS[KS_*, k]``: balance sums of the steps with ``k`` busy ranks
 ``EVR``,   int64    the event buffer: request, kind (``EV_*`` of :mod:`lbkit.sim.protocol`)
 ``EVK``,            and tokens of each event the kernels write (the caller hands them to the
@@ -76,9 +76,6 @@ N_P = 14
 ACC_MEAN, ACC_MAX, ACC_STEPS, ACC_TOKENS, ACC_OVERRUNS, ACC_EVENTS_TOTAL = range(6)
 ACC_MOVES, ACC_FEW_MEAN, ACC_FEW_MAX, ACC_FEW_STEPS = 6, 7, 8, 9
 N_ACC = 10
-#: Per time bin: sums of the mean and max rank time of the steps starting in the bin.
-BIN_MEAN, BIN_MAX = 0, 1
-N_BIN = 2
 #: ``KS[KS_*, k]``: steps with ``k`` busy ranks, and their sums of mean and max rank time.
 KS_STEPS, KS_MEAN, KS_MAX = 0, 1, 2
 N_KS = 3

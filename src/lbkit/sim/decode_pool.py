@@ -20,8 +20,9 @@ import numpy as np
 
 from lbkit.core.cost import DecodeCost
 from lbkit.sim import _decode_kernels as K
+from lbkit.sim._bins import BIN_MAX, BIN_MEAN, N_BIN, NUM_BINS
 from lbkit.sim.protocol import DecodeView
-from lbkit.sim.replay import NUM_BINS, readonly
+from lbkit.sim.replay import readonly
 from lbkit.sim.traces import Trace
 
 __all__ = [
@@ -260,7 +261,7 @@ class DecodePool:
         D[K.D_CAP] = math.inf if max_kv_tokens is None else float(max_kv_tokens)
         D[K.D_MOE] = cost.moe_s_per_token
         ACC = np.zeros(2 * K.N_DACC)
-        BINS = np.zeros((K.N_DBIN, NUM_BINS))
+        BINS = np.zeros((N_BIN, NUM_BINS))
         # events of one kernel call: every request once, and once more preempted with a capacity
         EVR = np.zeros(n + 16 if max_kv_tokens is None else 2 * n + 16, dtype=np.int64)
         self.DI, self.DF, self.DK, self.DE, self.ACT = DI, DF, DK, DE, ACT
@@ -448,8 +449,8 @@ class DecodePool:
             num_steps=int(ACC[K.DACC_STEPS]),
             tokens_generated=int(ACC[K.DACC_TOKENS]),
             bin_s=self.bin_s,
-            bin_mean_s=self.BINS[K.DBIN_MEAN].copy(),
-            bin_max_s=self.BINS[K.DBIN_MAX].copy(),
+            bin_mean_s=self.BINS[BIN_MEAN].copy(),
+            bin_max_s=self.BINS[BIN_MAX].copy(),
             end_s=end,
             window_s=self.window_s,
             window_sums=None if self.window_s is None else ACC[K.DACC_W :].copy(),

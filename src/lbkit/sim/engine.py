@@ -52,6 +52,7 @@ import numpy as np
 
 from lbkit.core.cost import DecodeCost, QuadraticCost
 from lbkit.core.validation import as_rng, check_choice, check_int, check_real
+from lbkit.sim._bins import NUM_BINS
 from lbkit.sim.decode_pool import (
     DECODE_KV_CAPACITY_TOKENS,
     DECODE_KV_WATERMARK_TOKENS,
@@ -61,7 +62,7 @@ from lbkit.sim.decode_pool import (
 )
 from lbkit.sim.prefill_pool import SHARING, PrefillPool, PrefillRun
 from lbkit.sim.protocol import PREFILL_KV_CAPACITY_TOKENS, DecodeView, PrefillView
-from lbkit.sim.replay import NUM_BINS, replay
+from lbkit.sim.replay import replay
 from lbkit.sim.traces import Trace
 from lbkit.sim.utilization import prefill_work_s, scale_to_utilization, utilization_factor
 
@@ -105,23 +106,6 @@ def _horizon(horizon_s: Any) -> float:
     if horizon_s is None:
         return math.inf
     return check_real(horizon_s, "horizon_s", min_value=0.0)
-
-
-def _prefill_iv(
-    trace, num_engines, ranks_per_engine, cost, budget_s, min_chunk, align, report, share
-):
-    if not isinstance(trace, Trace):
-        raise TypeError(f"trace: must be a Trace, got {type(trace).__name__}")
-    e = check_int(num_engines, "num_engines", min_value=1)
-    r = check_int(ranks_per_engine, "ranks_per_engine", min_value=1)
-    if not isinstance(cost, QuadraticCost):
-        raise TypeError(f"cost: must be a QuadraticCost, got {type(cost).__name__}")
-    share = SHARING.index(check_choice(share, "work_sharing", SHARING))
-    budget = check_real(budget_s, "budget_s", min_value=0.0, strict_min=True)
-    min_chunk = check_int(min_chunk, "min_chunk", min_value=1)
-    align = check_int(align, "align", min_value=1)
-    report = check_real(report, "report_quantum", min_value=0.0, max_value=1.0)
-    return e, r, budget, min_chunk, align, report, share
 
 
 def _prefill_iv(

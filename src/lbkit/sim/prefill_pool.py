@@ -19,8 +19,9 @@ import numpy as np
 from lbkit.core.cost import QuadraticCost
 from lbkit.sim import _plan_kernels, _prefill_kernels
 from lbkit.sim import _prefill_layout as L
-from lbkit.sim.protocol import EV_FINISH, PrefillView
-from lbkit.sim.replay import NUM_BINS, readonly
+from lbkit.sim._bins import BIN_MAX, BIN_MEAN, N_BIN, NUM_BINS
+from lbkit.sim.protocol import EV_FINISH, PREFILL_KV_CAPACITY_TOKENS, PrefillView
+from lbkit.sim.replay import readonly
 from lbkit.sim.traces import Trace
 from lbkit.sim.utilization import prefill_work_s
 
@@ -184,13 +185,13 @@ class PrefillPool:
         num_engines: int,
         ranks_per_engine: int,
         cost: QuadraticCost,
-        budget_s: float,
+        budget_s: float = 1.0,
         min_chunk: int = 1,
         align: int = 1,
-        report_quantum: float = 0.0,
+        report_quantum: float = 0.02,
         share: int = 0,
         cp_efficiency: float = 1.0,
-        kv_capacity_tokens: int = 1,
+        kv_capacity_tokens: int = PREFILL_KV_CAPACITY_TOKENS,
         rank_cache: Any = None,
     ) -> None:
         e, r = num_engines, ranks_per_engine
@@ -233,7 +234,7 @@ class PrefillPool:
         P[L.P_RANKS], P[L.P_REPORT], P[L.P_BIN_S] = r, report_quantum, self.bin_s
         P[L.P_SHARE], P[L.P_CP_EFF], P[L.P_MOE] = share, cp_efficiency, cost.moe_s_per_token
         ACC = np.zeros(L.N_ACC)
-        BINS = np.zeros((L.N_BIN, NUM_BINS))
+        BINS = np.zeros((N_BIN, NUM_BINS))
         KS = np.zeros((L.N_KS, r + 1))
         SCR = np.zeros((L.N_SCR, max(n, r) if share else 1), dtype=np.int64)
         cap = n + 2 * nr + 16  # events of one kernel call: room for every request and more
@@ -347,8 +348,8 @@ class PrefillPool:
             tokens_computed=int(ACC[L.ACC_TOKENS]),
             rank_busy_s=self.KF[L.KF_BUSY].copy(),
             bin_s=self.bin_s,
-            bin_mean_s=self.BINS[L.BIN_MEAN].copy(),
-            bin_max_s=self.BINS[L.BIN_MAX].copy(),
+            bin_mean_s=self.BINS[BIN_MEAN].copy(),
+            bin_max_s=self.BINS[BIN_MAX].copy(),
             end_s=end if not math.isnan(end) else 0.0,
             num_arrived=num_arrived,
             work_sharing=SHARING[self.share],

@@ -20,10 +20,8 @@ from typing import Protocol
 
 import numpy as np
 
-__all__ = ["NUM_BINS", "PROGRESS_EVERY", "ReplayPool", "advance", "readonly", "replay"]
+__all__ = ["PROGRESS_EVERY", "ReplayPool", "advance", "readonly", "replay"]
 
-#: Number of time bins of the balance-over-time series of both pools.
-NUM_BINS = 200
 #: Arrivals between two calls of a replay's ``on_progress`` callback.
 PROGRESS_EVERY = 1000
 
