@@ -309,10 +309,11 @@ class DecodePool:
         requests, and preempted ones (which rejoin the wait queue's head, older first). At a
         step end where requests finished, the wait queue is offered again. ``True`` once the
         pool reached ``t_until``."""
-        DI, DF, DE, D = self.DI, self.DF, self.DE, self.D
+        DE = self.DE
         nev, complete, last_t = self._advance(t_until, *self._state)
         self._steps[:] = DE[K.DE_STEPS]
         if nev:
+            DI, DF, D = self.DI, self.DF, self.D
             now = t_until if complete and t_until < math.inf else float(DE[K.DE_READY].max())
             if not complete:
                 now = last_t

@@ -86,15 +86,17 @@ def replay(
     """
     total = len(order)
     arrived = 0
+    screen, step, offer = pool.screen, pool.step, pool.offer  # bound once: called per arrival
     for j, i in enumerate(order.tolist()):
         t = float(arrival_s[i])
         if t > horizon_s:
             break
         arrived += 1
-        if not pool.screen(i, t):
+        if not screen(i, t):
             continue
-        advance(pool, t)
-        if not pool.offer(i, t):
+        while not step(t):  # advance(pool, t)
+            pass
+        if not offer(i, t):
             continue
         if on_progress is not None and (j + 1) % PROGRESS_EVERY == 0:
             on_progress(j + 1, total)
