@@ -83,6 +83,9 @@ __all__ = ["end_step", "prefill_admit", "prefill_advance", "start_step"]
 
 @jit
 def start_step(e, RI, KI, KF, EF, EI, P, ACC, BINS, KS, EVR, EVK, EVT, nev, SCR):
+    """Start a step of engine ``e`` at ``EF_READY``: plan its ranks (or share the engine's work),
+    mark the scheduled requests running, set the step's end and add its balance sums. Returns
+    the new event count (work sharing's ``EV_MOVE`` events)."""
     ranks = np.int64(P[P_RANKS])
     start = EF[EF_READY, e]
     if P[P_SHARE] > 0.0:
@@ -151,6 +154,9 @@ def start_step(e, RI, KI, KF, EF, EI, P, ACC, BINS, KS, EVR, EVK, EVT, nev, SCR)
 
 @jit
 def end_step(e, RI, RF, KI, EF, EI, P, ACC, EVR, EVK, EVT, nev):
+    """End engine ``e``'s step: apply its chunks, finish the requests whose last token was
+    computed (``EV_FINISH``) and report progress past the quantum (``EV_PROGRESS``). Returns the
+    new event count."""
     ranks = np.int64(P[P_RANKS])
     end = EF[EF_END, e]
     frac = P[P_REPORT]

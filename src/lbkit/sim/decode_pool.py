@@ -31,6 +31,7 @@ __all__ = [
     "REFUSALS",
     "DecodePool",
     "DecodeRun",
+    "warmup_migrate",
 ]
 
 #: Default per-rank KV capacity (tokens) of a decode rank: an H800 (80 GB of HBM) in a 64-rank
