@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from lbkit.core import PRESETS
 from lbkit.prefill import plan_chunks
-from lbkit.sim import _kernels as K
+from lbkit.sim import _plan_kernels, _prefill_kernels
+from lbkit.sim import _prefill_layout as K
 from lbkit.sim.engine import (
     scale_to_utilization,
     simulate_decode,
@@ -164,7 +165,7 @@ def test_plan_kernel_matches_plan_chunks(rem, pre, budget, min_chunk, align):
     P = np.zeros(K.N_P)
     P[: K.P_BIN_S + 1] = [cost.a, cost.b, cost.k, cost.q, cost.gamma, budget, min_chunk, align, 1,
                           0, 1.0]  # fmt: skip
-    for kernel in (K.plan_rank, K.plan_rank.py_func):
+    for kernel in (_plan_kernels.plan_rank, _plan_kernels.plan_rank.py_func):
         count, last, t = kernel(RI, P, 0)
         assert count == len(want.chunk_tokens)
         assert last == want.chunk_tokens[-1]
@@ -175,8 +176,9 @@ def test_jit_parity_of_a_whole_replay(monkeypatch):
     t = _trace(60)
     jit = simulate_prefill(t, "least_tokens", num_engines=2, ranks_per_engine=2,
                            cost=H800.prefill)  # fmt: skip
-    for name in ("prefill_advance", "prefill_admit", "prefill_alone"):
-        monkeypatch.setattr(K, name, getattr(K, name).py_func)
+    for module, name in ((_prefill_kernels, "prefill_advance"), (_prefill_kernels, "prefill_admit"),
+                         (_plan_kernels, "prefill_alone")):  # fmt: skip
+        monkeypatch.setattr(module, name, getattr(module, name).py_func)
     py = simulate_prefill(t, "least_tokens", num_engines=2, ranks_per_engine=2,
                           cost=H800.prefill)  # fmt: skip
     np.testing.assert_array_equal(jit.finish_s, py.finish_s)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from lbkit.core import PRESETS
-from lbkit.sim import _kernels as K
+from lbkit.sim import _decode_kernels as K
 from lbkit.sim.engine import simulate_decode, simulate_prefill
 from lbkit.sim.metrics import decode_metrics
 from lbkit.sim.traces import Trace

@@ -14,7 +14,8 @@ import pytest
 
 from lbkit.core import PRESETS
 from lbkit.core.cost import QuadraticCost
-from lbkit.sim import _kernels as K
+from lbkit.sim import _prefill_kernels
+from lbkit.sim import _prefill_layout as K
 from lbkit.sim.engine import (
     PREFILL_KV_CAPACITY_TOKENS,
     prefill_work_s,
@@ -23,6 +24,7 @@ from lbkit.sim.engine import (
     utilization_factor,
 )
 from lbkit.sim.metrics import prefill_metrics
+from lbkit.sim.protocol import EV_MOVE
 from lbkit.sim.traces import Trace
 from lbkit.sim.workload import synthetic_trace
 
@@ -172,13 +174,13 @@ class ViewChecker:
 
 def _capture(monkeypatch, state, ranks):
     """Keep references to the engine's arrays (the first admission hands them over)."""
-    admit = K.prefill_admit
+    admit = _prefill_kernels.prefill_admit
 
-    def spy(i, f, t, RI, KI, EF, EI, P):
+    def spy(i, f, t, prefix, RI, RF, KI, EF, EI, P):
         state.update(RI=RI, KI=KI, EF=EF, ranks=ranks)
-        return admit(i, f, t, RI, KI, EF, EI, P)
+        return admit(i, f, t, prefix, RI, RF, KI, EF, EI, P)
 
-    monkeypatch.setattr(K, "prefill_admit", spy)
+    monkeypatch.setattr(_prefill_kernels, "prefill_admit", spy)
 
 
 def _hashed_trace(n, seed):
@@ -247,7 +249,7 @@ class Recorder:
 
     def observe(self, requests, kinds, tokens, /, *, now_s):
         for i, k, c in zip(requests.tolist(), kinds.tolist(), tokens.tolist(), strict=True):
-            if k != K.EV_MOVE:
+            if k != EV_MOVE:
                 self.progress[i] = self.progress.get(i, 0) + c
 
 

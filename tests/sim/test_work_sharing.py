@@ -12,7 +12,9 @@ from hypothesis import strategies as st
 
 from lbkit.core import PRESETS
 from lbkit.prefill import plan_chunks
-from lbkit.sim import _kernels as K
+from lbkit.sim import _plan_kernels, _prefill_kernels, _sharing_kernels
+from lbkit.sim import _prefill_layout as K
+from lbkit.sim._bins import N_BIN
 from lbkit.sim.engine import SHARING, scale_to_utilization, simulate_prefill
 from lbkit.sim.metrics import prefill_metrics
 from lbkit.sim.policies import EV_MOVE, LBKIT_BUCKET_OPTIONS, LbkitPrefill
@@ -172,7 +174,7 @@ def test_share_kernel_matches_the_model(data, ranks, n, tau, level, moe):
         RI[K.RI_PREFIX, i] = pre[i]
         RI[K.RI_UNCACHED, i] = rem[i] + (7 if i in started else 0)
         RI[K.RI_RANK, i] = f
-        K._append(RI, KI, f, i)
+        _plan_kernels.append(RI, KI, f, i)
         KI[K.KI_NREQ, f] += 1
         KI[K.KI_TOKENS, f] += rem[i]
         queues[f].append((i, rem[i], pre[i]))
@@ -183,7 +185,7 @@ def test_share_kernel_matches_the_model(data, ranks, n, tau, level, moe):
     ev = np.zeros(n + 1, dtype=np.int64)
     evk, evt = ev.copy(), ev.copy()
     SCR = np.zeros((3, max(n, ranks)), dtype=np.int64)
-    nev = K._share(0, RI, KI, KF, EF, P, ev, evk, evt, 0, SCR)
+    nev = _sharing_kernels.share_work(0, RI, KI, KF, EF, P, ev, evk, evt, 0, SCR)
     plan, time = _model_step(queues, started, dataclasses.replace(UNIT, b=UNIT.b + moe), tau, level)
     moved = {}
     for f in range(ranks):
@@ -252,8 +254,9 @@ def test_jit_parity_with_sharing(monkeypatch, mode):
     t = synthetic_trace(80, rate_per_s=40.0, rng=3)
     kw = {"num_engines": 2, "ranks_per_engine": 3, "cost": H800, "work_sharing": mode}
     jit = simulate_prefill(t, "least_requests", **kw)
-    for name in ("prefill_advance", "prefill_admit", "prefill_alone"):
-        monkeypatch.setattr(K, name, getattr(K, name).py_func)
+    for module, name in ((_prefill_kernels, "prefill_advance"), (_prefill_kernels, "prefill_admit"),
+                         (_plan_kernels, "prefill_alone")):  # fmt: skip
+        monkeypatch.setattr(module, name, getattr(module, name).py_func)
     py = simulate_prefill(t, "least_requests", **kw)
     np.testing.assert_array_equal(jit.finish_s, py.finish_s)
     np.testing.assert_array_equal(jit.rank, py.rank)
@@ -344,7 +347,7 @@ def test_split_kernel_matches_the_model(data, ranks, budget, eff):
         KF[K.KF_TIME, f] = time[f]
     P = np.array([UNIT.a, UNIT.b, UNIT.k, UNIT.q, UNIT.gamma, budget, 1, 1, ranks, 0.0, 1.0, 3.0,
                   eff, 0.0])  # fmt: skip
-    K._split(0, RI, KI, KF, P)
+    _sharing_kernels.split_chunks(0, RI, KI, KF, P)
     want_last, want_time = _model_split(sched, last, time, rem, prefix, UNIT, budget, eff)
     assert KI[K.KI_LAST].tolist() == want_last
     np.testing.assert_allclose(KF[K.KF_TIME], want_time, rtol=1e-12)
@@ -383,8 +386,9 @@ def test_start_step_with_shared_work_matches_the_model(data, ranks, n, tau, mode
         RI[K.RI_REM, i], RI[K.RI_PREFIX, i] = rem[i], pre[i]
         RI[K.RI_UNCACHED, i] = rem[i] + (7 if i in started else 0)
         RI[K.RI_RANK, i] = f
-        K.prefill_admit(i, f, 0.0, RI, KI, np.zeros((K.N_EF, 1)), np.zeros((K.N_EI, 1), np.int64),
-                        np.full(K.N_P, float(ranks)))  # fmt: skip
+        _prefill_kernels.prefill_admit(i, f, 0.0, -1, RI, np.zeros((K.N_RF, n)), KI,
+                                       np.zeros((K.N_EF, 1)), np.zeros((K.N_EI, 1), np.int64),
+                                       np.full(K.N_P, float(ranks)))  # fmt: skip
         if i in started:  # started in an earlier step: running, its prefix in KV
             RI[K.RI_RUN, i] = 1
             KI[K.KI_WAIT, f] -= 1
@@ -397,10 +401,11 @@ def test_start_step_with_shared_work_matches_the_model(data, ranks, n, tau, mode
     EI[K.EI_NREQ, 0] = n
     P = np.array([UNIT.a, UNIT.b, UNIT.k, UNIT.q, UNIT.gamma, tau, 1, 1, ranks, 0.0, 1e9,
                   float(mode), 1.0, moe])  # fmt: skip
-    ACC, BINS, KS = np.zeros(K.N_ACC), np.zeros((K.N_BIN, 4)), np.zeros((K.N_KS, ranks + 1))
+    ACC, BINS, KS = np.zeros(K.N_ACC), np.zeros((N_BIN, 4)), np.zeros((K.N_KS, ranks + 1))
     ev = np.zeros(n + 1, dtype=np.int64)
     SCR = np.zeros((3, max(n, ranks)), dtype=np.int64)
-    K._start_step(0, RI, KI, KF, EF, EI, P, ACC, BINS, KS, ev, ev.copy(), ev.copy(), 0, SCR)
+    _prefill_kernels.start_step(0, RI, KI, KF, EF, EI, P, ACC, BINS, KS, ev, ev.copy(), ev.copy(),
+                                0, SCR)  # fmt: skip
     plan_cost = dataclasses.replace(UNIT, b=UNIT.b + moe)
     if mode == 0:
         plan = []

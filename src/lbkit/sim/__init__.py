@@ -6,8 +6,11 @@
   LRU cache of a given capacity.
 - :mod:`lbkit.sim.workload`: seeded synthetic traces calibrated on the Mooncake conversation
   trace, and the default workload of ``lbkit bench``.
-- :mod:`lbkit.sim.engine`: the deterministic engine model (prefill and decode pools) and the
-  utilisation scaling; :mod:`lbkit.sim.policies` and :mod:`lbkit.sim.policies_decode`: routing
+- :mod:`lbkit.sim.engine`: the deterministic engine model (``simulate_prefill``,
+  ``simulate_decode``) over the pools of :mod:`lbkit.sim.prefill_pool` and
+  :mod:`lbkit.sim.decode_pool`, replayed by :mod:`lbkit.sim.replay`;
+  :mod:`lbkit.sim.utilization`: the utilisation scaling; :mod:`lbkit.sim.policies` and
+  :mod:`lbkit.sim.policies_decode`: routing
   policies; :mod:`lbkit.sim.metrics`: SPEC section 5 metrics; :mod:`lbkit.sim.bench`: the
   scenario runner of ``lbkit bench``; :mod:`lbkit.sim.streams`: seeded decode-only streams
   replayed through a :class:`~lbkit.decode.DecodeBalancer` (policy comparisons in engine steps).

@@ -23,7 +23,7 @@ import numpy as np
 from lbkit.core.cost import PRESETS, DecodeCost
 from lbkit.core.validation import check_choice, check_int, check_real
 from lbkit.prefill.buckets import DEFAULT_EDGES
-from lbkit.sim import _kernels as K
+from lbkit.sim import _decode_kernels as K
 from lbkit.sim.engine import (
     DECODE_KV_CAPACITY_TOKENS,
     SHARING,

@@ -19,6 +19,11 @@ requests holding ``S_r`` KV tokens; an idle rank still steps and pays the fixed 
 active request generates one token and its KV grows by one. A request with ``o`` output tokens
 needs ``o - 1`` decode steps (prefill produced the first token); ``o = 1`` finishes at handover.
 
+The two functions here validate their options, build the pool
+(:class:`~lbkit.sim.prefill_pool.PrefillPool`, :class:`~lbkit.sim.decode_pool.DecodePool`: its
+state arrays, the policy's view, the numba kernels' calls) and replay it with
+:func:`lbkit.sim.replay.replay`, the one arrival loop of both pools.
+
 Time starts at the first arrival's time stamp as it is in the trace; nothing reads a clock.
 Policies get every piece of information through a *view* (read-only arrays of the pool's state)
 and a stream of events (finished requests, prefill progress), never the simulator's internals.
@@ -39,9 +44,7 @@ offered utilisation (the pool's busy share) equals ``U``.
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -49,21 +52,24 @@ import numpy as np
 
 from lbkit.core.cost import DecodeCost, QuadraticCost
 from lbkit.core.validation import as_rng, check_choice, check_int, check_real
-from lbkit.sim import _kernels as K
-from lbkit.sim.protocol import (
-    BLOCK_TOKENS,
-    PREFILL_KV_CAPACITY_TOKENS,
-    DecodeView,
-    PrefillView,
+from lbkit.sim._bins import NUM_BINS
+from lbkit.sim.decode_pool import (
+    DECODE_KV_CAPACITY_TOKENS,
+    DECODE_KV_WATERMARK_TOKENS,
+    REFUSALS,
+    DecodePool,
+    DecodeRun,
 )
+from lbkit.sim.prefill_pool import SHARING, PrefillPool, PrefillRun
+from lbkit.sim.protocol import PREFILL_KV_CAPACITY_TOKENS, DecodeView, PrefillView
+from lbkit.sim.replay import replay
 from lbkit.sim.traces import Trace
-
-_NO_HASHES = np.zeros(0, dtype=np.int64)  # the block hashes of a trace without any
-_NO_HASHES.setflags(write=False)
+from lbkit.sim.utilization import prefill_work_s, scale_to_utilization, utilization_factor
 
 __all__ = [
     "DECODE_KV_CAPACITY_TOKENS",
     "DECODE_KV_WATERMARK_TOKENS",
+    "NUM_BINS",
     "PREFILL_KV_CAPACITY_TOKENS",
     "REFUSALS",
     "SHARING",
@@ -79,297 +85,8 @@ __all__ = [
     "warmup",
 ]
 
-#: Number of time bins of the balance-over-time series.
-NUM_BINS = 200
-#: Work-sharing modes of the prefill engines (see :func:`simulate_prefill`).
-SHARING = ("off", "budget", "level", "split")
 
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class PrefillRun:
-    """Outcome of :func:`simulate_prefill` (arrays in trace order).
-
-    Attributes
-    ----------
-    policy : str
-    trace : Trace
-        The replayed trace (after any time scaling).
-    num_engines, ranks_per_engine : int
-    cost : QuadraticCost
-    budget_s : float
-    rank : ndarray of int64
-        Flat rank of each request; -1 if refused.
-    finish_s : ndarray of float64
-        End of the step that finished its prefill (``nan``: refused or still in flight).
-    alone_s : ndarray of float64
-        Its prefill time alone on an idle rank under the same plan, alone in its engine (the
-        shared expert work of its own tokens only), from the trace's ``cached_tokens`` whatever
-        it hit where it ran: the slowdown denominator, the same for every policy.
-    step_mean_s, step_max_s : float
-        Sums over all engine steps of the mean and the max over the engine's ranks of the
-        modelled rank time (the numerator and denominator of balance efficiency).
-    num_steps, overruns : int
-        Engine steps; rank plans over budget (progress guarantee).
-    tokens_computed : int
-        Prompt tokens prefilled (work conservation: the uncached tokens of finished requests plus
-        the progress of requests in flight).
-    rank_busy_s : ndarray, shape (ranks,)
-        Modelled busy seconds of each rank.
-    bin_s : float
-        Width of the time bins of ``bin_mean_s`` / ``bin_max_s`` (per-bin sums as above).
-    end_s : float
-        Time at which the replay stopped (last step end, or the horizon).
-    num_arrived : int
-        Requests that arrived before the replay stopped (the first ``num_arrived`` of the trace).
-    work_sharing : str
-        The engines' work sharing (see :func:`simulate_prefill`).
-    moves : int
-        Requests that work sharing moved to another rank of their engine.
-    busy_steps : ndarray of int64, shape (ranks_per_engine + 1,)
-        Engine steps with ``k`` busy ranks (ranks with a non-empty plan), ``k = 0..R``.
-    busy_mean_s, busy_max_s : ndarray, shape (ranks_per_engine + 1,)
-        The balance sums (mean and max rank time) over the steps with ``k`` busy ranks.
-    few_steps : int
-        Steps of an engine that held fewer requests than it has ranks (some rank must idle
-        whatever the plan, since a request runs on one rank).
-    few_mean_s, few_max_s : float
-        The balance sums over those steps.
-    cached_tokens : ndarray of int64
-        Cached prompt tokens of each request where it ran (with a ``rank_cache``, its hit on
-        the rank it was admitted to; else, and for requests not routed, the trace's); the
-        engines computed ``total_tokens - cached_tokens`` tokens of each finished request.
-    """
-
-    policy: str
-    trace: Trace
-    num_engines: int
-    ranks_per_engine: int
-    cost: QuadraticCost
-    budget_s: float
-    rank: np.ndarray
-    finish_s: np.ndarray
-    alone_s: np.ndarray
-    step_mean_s: float
-    step_max_s: float
-    num_steps: int
-    overruns: int
-    tokens_computed: int
-    rank_busy_s: np.ndarray
-    bin_s: float
-    bin_mean_s: np.ndarray
-    bin_max_s: np.ndarray
-    end_s: float
-    num_arrived: int
-    work_sharing: str = "off"
-    moves: int = 0
-    busy_steps: np.ndarray | None = None
-    busy_mean_s: np.ndarray | None = None
-    busy_max_s: np.ndarray | None = None
-    few_steps: int = 0
-    few_mean_s: float = 0.0
-    few_max_s: float = 0.0
-    cached_tokens: np.ndarray | None = None
-
-    def __post_init__(self) -> None:
-        if self.cached_tokens is None:
-            object.__setattr__(self, "cached_tokens", self.trace.cached_tokens)
-
-    @property
-    def refused(self) -> np.ndarray:
-        """Boolean mask of refused requests (arrived, not routed)."""
-        return (self.rank < 0) & (np.arange(self.rank.shape[0]) < self.num_arrived)
-
-    @property
-    def finished(self) -> np.ndarray:
-        """Boolean mask of requests whose prefill finished."""
-        return ~np.isnan(self.finish_s)
-
-    @property
-    def ttft_s(self) -> np.ndarray:
-        """Time to first token (``nan`` where not finished)."""
-        return self.finish_s - self.trace.arrival_s
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class DecodeRun:
-    """Outcome of :func:`simulate_decode` (arrays in trace order).
-
-    Attributes
-    ----------
-    policy : str
-    num_engines, ranks_per_engine : int
-    cost : DecodeCost
-    handover_s : ndarray
-        Time each request entered decode (its prefill end; ``nan`` if it never did).
-    rank : ndarray of int64
-        Decode rank (-1: refused or never entered; -2: finished at handover, ``o = 1``).
-    finish_s : ndarray
-        End of the step that generated the last token (``nan``: not finished).
-    output_tokens : ndarray of int64
-    step_mean_s, step_max_s : float
-        Balance-efficiency sums over engine steps (modelled rank times).
-    step_time_s : float
-        Sum of step durations (time-weighting of the imbalances).
-    count_imbalance_s, kv_imbalance_s : float
-        Sums over steps of ``duration * max_r B_r / mean_r B_r`` (and for ``S_r``).
-    count_floor_s : float
-        Sum over steps of ``duration * ceil(mean_r B_r) / mean_r B_r``: the smallest count
-        imbalance integer request counts allow.
-    num_steps, tokens_generated : int
-    bin_s : float
-    bin_mean_s, bin_max_s : ndarray
-    end_s : float
-    window_s : (float, float) or None
-        The measurement window of ``window_sums``.
-    window_sums : ndarray or None
-        Over the steps starting in the window, the sums above in the order of
-        ``_kernels.DACC_*``: mean and max rank time, duration, count and KV imbalance, count
-        floor, steps and tokens generated (see :func:`lbkit.sim.metrics.decode_metrics`).
-    migrations : int
-        Moves of running requests the policy made (see the protocol's ``migrations``).
-    migration_s : float
-        Sum of their KV transfer times (requests in transit do not decode).
-    wait_s : ndarray or None
-        Seconds each request spent in the wait queue (back-pressure; preempted time included).
-    refusal : ndarray of int8 or None
-        Refusal code of each request: 0 none, else ``REFUSALS[code - 1]`` (``None``: a run
-        without codes, where ``rank == -1`` means refused).
-    preemptions : int
-        Running requests preempted back to the wait queue because KV growth filled their rank.
-    kv_capacity_tokens : int or None
-        Per-rank KV capacity of the run.
-    """
-
-    policy: str
-    num_engines: int
-    ranks_per_engine: int
-    cost: DecodeCost
-    handover_s: np.ndarray
-    rank: np.ndarray
-    finish_s: np.ndarray
-    output_tokens: np.ndarray
-    step_mean_s: float
-    step_max_s: float
-    step_time_s: float
-    count_imbalance_s: float
-    kv_imbalance_s: float
-    count_floor_s: float
-    num_steps: int
-    tokens_generated: int
-    bin_s: float
-    bin_mean_s: np.ndarray
-    bin_max_s: np.ndarray
-    end_s: float
-    window_s: tuple[float, float] | None = None
-    window_sums: np.ndarray | None = None
-    migrations: int = 0
-    migration_s: float = 0.0
-    wait_s: np.ndarray | None = None
-    refusal: np.ndarray | None = None
-    preemptions: int = 0
-    kv_capacity_tokens: int | None = None
-
-    @property
-    def arrived(self) -> np.ndarray:
-        """Requests that reached the decode pool."""
-        return ~np.isnan(self.handover_s)
-
-    @property
-    def refused(self) -> np.ndarray:
-        """Requests refused: they could never fit an empty rank (see ``refusal``)."""
-        if self.refusal is not None:
-            return self.arrived & (self.refusal > 0)
-        return self.arrived & (self.rank == -1)
-
-    @property
-    def refused_by_reason(self) -> dict[str, int]:
-        """Refused requests counted by reason (``REFUSALS``), reasons that occurred only."""
-        if self.refusal is None:
-            return {}
-        counts = np.bincount(self.refusal[self.arrived], minlength=len(REFUSALS) + 1)
-        return {r: int(counts[j + 1]) for j, r in enumerate(REFUSALS) if counts[j + 1]}
-
-    @property
-    def finished(self) -> np.ndarray:
-        """Requests that generated all their tokens."""
-        return ~np.isnan(self.finish_s)
-
-    @property
-    def tpot_s(self) -> np.ndarray:
-        """Time per output token after the first, ``(finish - handover) / (o - 1)`` (else nan)."""
-        with np.errstate(invalid="ignore", divide="ignore"):
-            out = (self.finish_s - self.handover_s) / (self.output_tokens - 1)
-        return np.where(self.output_tokens > 1, out, np.nan)
-
-
-# ------------------------------------------------------------------------ utilisation
-def prefill_work_s(trace: Trace, cost: QuadraticCost) -> np.ndarray:
-    """Quota of every request: ``cost.quota(total - cached, cached)`` seconds of one rank.
-
-    Local work only (what a router can move); the shared expert work is not in it.
-    """
-    if not isinstance(trace, Trace):
-        raise TypeError(f"trace: must be a Trace, got {type(trace).__name__}")
-    if not isinstance(cost, QuadraticCost):
-        raise TypeError(f"cost: must be a QuadraticCost, got {type(cost).__name__}")
-    return np.asarray(
-        cost.quota(trace.total_tokens - trace.cached_tokens, trace.cached_tokens), dtype=np.float64
-    ).reshape(-1)
-
-
-def utilization_factor(
-    trace: Trace, utilization: float, /, *, num_ranks: int, cost: QuadraticCost
-) -> float:
-    """Time-scaling factor ``f = W / (U * N * D)`` that makes the offered utilisation ``U``.
-
-    ``W`` is the trace's prefill work in rank-seconds: its total quota (local work) plus the
-    shared expert work ``b_moe * moe_lb`` per uncached token (which some rank of the engine
-    runs), so that ``U`` is the pool's busy share; ``D`` is the span of its arrivals, ``N =
-    num_ranks``. Multiplying every arrival by ``f`` makes ``W / (f D N) = U``.
-
-    Raises
-    ------
-    ValueError
-        ``utilization <= 0``, ``num_ranks < 1``, fewer than two distinct arrival times.
-
-    Examples
-    --------
-    >>> from lbkit.core import PRESETS
-    >>> t = Trace(arrival_s=[0.0, 10.0], total_tokens=[1000, 1000], output_tokens=[1, 1])
-    >>> utilization_factor(t, 0.5, num_ranks=2, cost=PRESETS["unit"].prefill)
-    300.0
-    """
-    u = check_real(utilization, "utilization", min_value=0.0, strict_min=True)
-    n = check_int(num_ranks, "num_ranks", min_value=1)
-    work = float(prefill_work_s(trace, cost).sum())
-    work += _moe_s_per_token(cost) * float((trace.total_tokens - trace.cached_tokens).sum())
-    span = float(trace.arrival_s[-1] - trace.arrival_s[0]) if len(trace) else 0.0
-    if not span > 0:
-        raise ValueError(
-            "trace: arrivals must span a positive time to be scaled to a utilisation "
-            f"(got {len(trace)} requests over {span} s)"
-        )
-    return work / (u * n * span)
-
-
-def scale_to_utilization(
-    trace: Trace, utilization: float, /, *, num_ranks: int, cost: QuadraticCost
-) -> tuple[Trace, float]:
-    """The trace time-scaled to offered prefill utilisation ``utilization``, and the factor.
-
-    Arrivals are shifted to start at 0 before scaling.
-    """
-    f = utilization_factor(trace, utilization, num_ranks=num_ranks, cost=cost)
-    shifted = trace.arrival_s - trace.arrival_s[0]
-    return dataclasses.replace(trace, arrival_s=shifted * f), f
-
-
-# ------------------------------------------------------------------------ prefill
-def _moe_s_per_token(cost: QuadraticCost) -> float:
-    """Effective shared seconds per token, ``b_moe * moe_lb`` (0 for a cost without them)."""
-    return cost.moe_s_per_token
-
-
+# ------------------------------------------------------------------------ options
 def _policy_of(policy: Any, table: Mapping[str, Callable[..., Any]], kind: str, *args, **kw):
     if isinstance(policy, str):
         if policy not in table:
@@ -383,12 +100,6 @@ def _policy_of(policy: Any, table: Mapping[str, Callable[..., Any]], kind: str, 
             f"got {type(policy).__name__}"
         )
     return getattr(policy, "name", type(policy).__name__), policy
-
-
-def _readonly(a: np.ndarray) -> np.ndarray:
-    v = a.view()
-    v.setflags(write=False)
-    return v
 
 
 def _horizon(horizon_s: Any) -> float:
@@ -414,6 +125,33 @@ def _prefill_iv(
     return e, r, budget, min_chunk, align, report, share
 
 
+def _window_iv(window_s: Any) -> tuple[float, float] | None:
+    if window_s is None:
+        return None
+    try:
+        w0, w1 = window_s
+    except (TypeError, ValueError):
+        raise TypeError("window_s: must be a pair (start_s, stop_s) or None") from None
+    w0 = check_real(w0, "window_s[0]", allow_inf=True)
+    w1 = check_real(w1, "window_s[1]", allow_inf=True)
+    if not w1 > w0:
+        raise ValueError(f"window_s: stop must be after start, got ({w0}, {w1})")
+    return w0, w1
+
+
+def _prefill_table():
+    from lbkit.sim.policies import PREFILL_POLICIES
+
+    return PREFILL_POLICIES
+
+
+def _decode_table():
+    from lbkit.sim.policies_decode import DECODE_POLICIES
+
+    return DECODE_POLICIES
+
+
+# ------------------------------------------------------------------------ prefill
 def simulate_prefill(
     trace: Trace,
     policy: Any,
@@ -540,16 +278,9 @@ def simulate_prefill(
     [701.0, 701.0]
     """
     e, r, budget, min_chunk, align, report, share = _prefill_iv(
-        trace,
-        num_engines,
-        ranks_per_engine,
-        cost,
-        budget_s,
-        min_chunk,
-        align,
-        report_quantum,
+        trace, num_engines, ranks_per_engine, cost, budget_s, min_chunk, align, report_quantum,
         work_sharing,
-    )
+    )  # fmt: skip
     cp_eff = check_real(cp_efficiency, "cp_efficiency", min_value=0.0, strict_min=True,
                         max_value=1.0)  # fmt: skip
     kv_cap = check_int(kv_capacity_tokens, "kv_capacity_tokens", min_value=1)
@@ -558,204 +289,15 @@ def simulate_prefill(
             if not callable(getattr(rank_cache, method, None)):
                 raise TypeError(f"rank_cache: must have a callable {method}() method")
     horizon = _horizon(horizon_s)
-    gen = as_rng(rng)
-    name, pol = _policy_of(policy, _prefill_table(), "prefill", e, r, cost=cost, rng=gen)
-    n = len(trace)
-    nr = e * r
-    arrival = trace.arrival_s
-    total = trace.total_tokens
-    cached = trace.cached_tokens
-    uncached = total - cached
-
-    RI = np.zeros((K.N_RI, n), dtype=np.int64)
-    RI[K.RI_REM] = uncached
-    RI[K.RI_PREFIX] = cached
-    RI[K.RI_NEXT] = -1
-    RI[K.RI_RANK] = -1
-    RI[K.RI_UNCACHED] = uncached
-    RF = np.zeros((K.N_RF, n))
-    RF[K.RF_ARRIVAL] = arrival
-    RF[K.RF_FINISH] = np.nan
-    q0 = prefill_work_s(trace, cost) if n else np.zeros(0)
-    RF[K.RF_QREPORT] = q0
-    RF[K.RF_Q0] = q0
-    KI = np.zeros((K.N_KI, nr), dtype=np.int64)
-    KI[K.KI_HEAD] = -1
-    KI[K.KI_TAIL] = -1
-    KF = np.zeros((K.N_KF, nr))
-    EF = np.zeros((K.N_EF, e))
-    EF[K.EF_END] = np.inf
-    EI = np.zeros((K.N_EI, e), dtype=np.int64)
-    # Time bins cover the arrivals plus the same span again for the drain (the last bin takes
-    # everything later).
-    bin_s = max(2.0 * float(arrival[-1]), 1e-9) / K_BINS if n else 1.0
-    P = np.array(
-        [cost.a, cost.b, cost.k, cost.q, cost.gamma, budget, min_chunk, align, r, report, bin_s,
-         float(share), cp_eff, _moe_s_per_token(cost)],
-        dtype=np.float64,
+    name, pol = _policy_of(policy, _prefill_table(), "prefill", e, r, cost=cost, rng=as_rng(rng))
+    pool = PrefillPool(
+        trace, pol, name, num_engines=e, ranks_per_engine=r, cost=cost, budget_s=budget,
+        min_chunk=min_chunk, align=align, report_quantum=report, share=share,
+        cp_efficiency=cp_eff, kv_capacity_tokens=kv_cap, rank_cache=rank_cache,
     )  # fmt: skip
-    ACC = np.zeros(K.N_ACC)
-    BINS = np.zeros((K.N_BIN, K_BINS))
-    KS = np.zeros((K.N_KS, r + 1))
-    SCR = np.zeros((3, max(n, r) if share else 1), dtype=np.int64)
-    cap = n + 2 * nr + 16
-    EVR = np.zeros(cap, dtype=np.int64)
-    EVK = np.zeros(cap, dtype=np.int64)
-    EVT = np.zeros(cap, dtype=np.int64)
-    alone = np.zeros(n)
-    if n:
-        K.prefill_alone(RI, P, alone)
-
-    hit = np.zeros(nr, dtype=np.int64)
-    hash_ids, hash_offsets = trace.hash_ids, trace.hash_offsets
-    with_hashes = hash_ids is not None and hash_offsets is not None
-    offsets = hash_offsets.tolist() if with_hashes else []
-    view = PrefillView(e, r, _readonly(KI[K.KI_NREQ]), _readonly(KI[K.KI_TOKENS]),
-                       _readonly(KI[K.KI_WAIT]), _readonly(KI[K.KI_KV]), kv_cap, _readonly(hit),
-                       _NO_HASHES, BLOCK_TOKENS)  # fmt: skip
-    ran_cached = cached.copy()
-    observe = pol.observe
-    route = pol.route
-    advance = K.prefill_advance
-    admit = K.prefill_admit
-
-    def _advance(t: float) -> None:
-        while True:
-            nev, complete = advance(t, RI, RF, KI, KF, EF, EI, P, ACC, BINS, KS, EVR, EVK, EVT, SCR)
-            if nev:
-                if rank_cache is not None:
-                    done = EVR[:nev][EVK[:nev] == K.EV_FINISH]
-                    for j, g in zip(done.tolist(), RI[K.RI_RANK, done].tolist(), strict=True):
-                        rank_cache.finished(j, g)
-                now = t if t < math.inf else float(EF[K.EF_READY].max())
-                observe(EVR[:nev], EVK[:nev], EVT[:nev], now_s=now)
-            if complete:
-                return
-
-    arrived = 0
-    for i in range(n):
-        t = float(arrival[i])
-        if t > horizon:
-            break
-        arrived += 1
-        _advance(t)
-        if rank_cache is None:
-            hit.fill(cached[i])
-        else:
-            hit[:] = _hits_of(rank_cache, i, nr, int(total[i]))
-        v = view
-        if with_hashes:  # trace.hash_ids_of(i), without its checks
-            v = view._replace(block_hashes=hash_ids[offsets[i] : offsets[i + 1]])
-        f = route(i, int(total[i]), int(cached[i]), now_s=t, view=v)
-        if f < 0:
-            continue
-        if not 0 <= f < nr:
-            raise ValueError(f"policy {name!r} returned rank {f} outside [0, {nr})")
-        if rank_cache is not None:
-            _set_prefix(i, int(hit[f]), int(total[i]), RI, RF, cost)
-            ran_cached[i] = hit[f]
-        admit(i, f, t, RI, KI, EF, EI, P)
-        if rank_cache is not None:
-            rank_cache.admitted(i, f)
-        if on_progress is not None and (i + 1) % 1000 == 0:
-            on_progress(i + 1, n)
-    _advance(horizon)
-    end = float(np.nanmax(RF[K.RF_FINISH])) if n and (RI[K.RI_RANK] >= 0).any() else 0.0
-    if horizon < math.inf:
-        end = horizon
-    rank = RI[K.RI_RANK].copy()
-    return PrefillRun(
-        policy=name,
-        trace=trace,
-        num_engines=e,
-        ranks_per_engine=r,
-        cost=cost,
-        budget_s=budget,
-        rank=rank,
-        finish_s=RF[K.RF_FINISH].copy(),
-        alone_s=alone,
-        step_mean_s=float(ACC[K.ACC_MEAN]),
-        step_max_s=float(ACC[K.ACC_MAX]),
-        num_steps=int(ACC[K.ACC_STEPS]),
-        overruns=int(ACC[K.ACC_OVERRUNS]),
-        tokens_computed=int(ACC[K.ACC_TOKENS]),
-        rank_busy_s=KF[K.KF_BUSY].copy(),
-        bin_s=bin_s,
-        bin_mean_s=BINS[K.BIN_MEAN].copy(),
-        bin_max_s=BINS[K.BIN_MAX].copy(),
-        end_s=end if not math.isnan(end) else 0.0,
-        num_arrived=arrived,
-        work_sharing=SHARING[share],
-        moves=int(ACC[K.ACC_MOVES]),
-        busy_steps=KS[K.KS_STEPS].astype(np.int64),
-        busy_mean_s=KS[K.KS_MEAN].copy(),
-        busy_max_s=KS[K.KS_MAX].copy(),
-        few_steps=int(ACC[K.ACC_FEW_STEPS]),
-        few_mean_s=float(ACC[K.ACC_FEW_MEAN]),
-        few_max_s=float(ACC[K.ACC_FEW_MAX]),
-        cached_tokens=ran_cached,
-    )
-
-
-def _hits_of(rank_cache: Any, i: int, nr: int, total: int) -> np.ndarray:
-    """``rank_cache.hit_tokens(i)`` checked: int64 of shape (nr,) within ``[0, total - 1]``."""
-    h = np.asarray(rank_cache.hit_tokens(i))
-    if h.shape != (nr,) or h.dtype.kind not in "iu":
-        raise ValueError(
-            f"rank_cache: hit_tokens({i}) must be an integer array of shape ({nr},), got "
-            f"{h.dtype} of shape {h.shape}"
-        )
-    if nr and (int(h.min()) < 0 or int(h.max()) > total - 1):
-        raise ValueError(
-            f"rank_cache: hit_tokens({i}) must be within [0, total_tokens - 1 = {total - 1}], "
-            f"got [{int(h.min())}, {int(h.max())}]"
-        )
-    return h
-
-
-def _set_prefix(i: int, prefix: int, total: int, RI, RF, cost: QuadraticCost) -> None:
-    """Request ``i`` hits ``prefix`` cached tokens where it is admitted: it prefills the rest."""
-    rem = total - prefix
-    RI[K.RI_PREFIX, i] = prefix
-    RI[K.RI_REM, i] = rem
-    RI[K.RI_UNCACHED, i] = rem
-    # cost.quota of one request, without its array validation (this runs once per admission).
-    q = rem * (cost.b + cost.k * prefix + cost.q * rem) + cost.gamma * prefix if rem > 0 else 0.0
-    RF[K.RF_QREPORT, i] = q
-    RF[K.RF_Q0, i] = q
-
-
-K_BINS = NUM_BINS
-
-
-def _prefill_table():
-    from lbkit.sim.policies import PREFILL_POLICIES
-
-    return PREFILL_POLICIES
-
-
-def _decode_table():
-    from lbkit.sim.policies_decode import DECODE_POLICIES
-
-    return DECODE_POLICIES
-
-
-#: Default per-rank KV capacity (tokens) of a decode rank: an H800 (80 GB of HBM) in a 64-rank
-#: expert-parallel engine serving DeepSeek-V3 in FP8. Routed experts: 58 MoE layers x 256
-#: experts x 3 x 7168 x 2048 = 653.9e9 parameters, 10.22 GB per rank; the other ~17e9
-#: parameters (MLA, dense layers, shared experts, embeddings) are replicated on every rank under
-#: data-parallel attention, 17 GB; activations, CUDA graphs and all-to-all buffers take about
-#: 10% of HBM, 8 GB. KV budget 80 - 10.22 - 17 - 8 = 44.78 GB, over 70,272 bytes per token
-#: (61 layers x (512 + 64) values x 2 bytes, MLA in BF16): 637,276 tokens.
-DECODE_KV_CAPACITY_TOKENS = 637_276
-#: Default watermark of the decode-only bench: 1% of the capacity kept free at admission
-#: (vLLM's block-manager watermark) so that running requests can grow before a preemption.
-DECODE_KV_WATERMARK_TOKENS = DECODE_KV_CAPACITY_TOKENS // 100
-#: Why a decode request was refused (``DecodeRun.refusal`` is 1 + the index): its prompt
-#: exceeds the admission limit of an empty rank, or its prompt plus output exceeds the capacity
-#: (vLLM checks ``prompt + max_tokens <= max_model_len`` likewise), or the policy refused it
-#: while the pool was empty.
-REFUSALS = ("too_long", "outgrows", "policy")
+    order = np.arange(len(trace))
+    arrived = replay(pool, order, trace.arrival_s, horizon_s=horizon, on_progress=on_progress)
+    return pool.result(arrived, horizon)
 
 
 # ------------------------------------------------------------------------ decode
@@ -877,237 +419,33 @@ def simulate_decode(
     window = _window_iv(window_s)
     lat = check_real(migration_latency_s, "migration_latency_s", min_value=0.0)
     per_token = check_real(migration_s_per_kv_token, "migration_s_per_kv_token", min_value=0.0)
-    gen = as_rng(rng)
-    name, pol = _policy_of(policy, _decode_table(), "decode", e, r, cost=cost, rng=gen)
+    name, pol = _policy_of(policy, _decode_table(), "decode", e, r, cost=cost, rng=as_rng(rng))
     if isinstance(prefill, Trace):
         trace = prefill
         handover = np.asarray(trace.arrival_s, dtype=np.float64).copy()
     else:
         trace = prefill.trace
         handover = prefill.finish_s.copy()
-    n = len(trace)
-    nr = e * r
-    kv0 = trace.total_tokens
-    out = trace.output_tokens
     order = np.argsort(np.where(np.isnan(handover), np.inf, handover), kind="stable")
     order = order[~np.isnan(handover[order])]
-
-    DI = np.zeros((K.N_DI, n), dtype=np.int64)
-    DI[K.DI_RANK] = -1
-    DI[K.DI_LEFT] = out - 1
-    DI[K.DI_KV] = kv0
-    DI[K.DI_NEXT] = -1
-    DI[K.DI_POS] = -1
-    DF = np.full((K.N_DF, n), np.nan)
-    DK = np.zeros((K.N_DK, nr), dtype=np.int64)
-    DE = np.zeros((K.N_DE, e))
-    DE[K.DE_END] = np.inf
-    DE[K.DE_PHEAD] = -1
-    DE[K.DE_PTAIL] = -1
-    DE[K.DE_THEAD] = -1
-    steps = np.zeros(e, dtype=np.int64)
-    ACT = np.zeros((e, max(n, 1)), dtype=np.int64)
+    # Time bins cover the handovers plus as long again for the drain.
     start = float(handover[order[0]]) if order.size else 0.0
     stop = float(handover[order[-1]]) if order.size else 1.0
     span = max(stop - start, 1e-9)
-    bin_s = 2.0 * max(stop, span) / K_BINS
-    w0, w1 = (-np.inf, -np.inf) if window is None else window
-    moe = cost.moe_s_per_token
-    D = np.array(
-        [cost.a, cost.b, cost.k, 1.0 if cost.combine == "max" else 0.0, r, bin_s, w0, w1,
-         lat, per_token, math.inf if mk is None else float(mk), 0.0, moe],
-        dtype=np.float64,
+    bin_s = 2.0 * max(stop, span) / NUM_BINS
+    pool = DecodePool(
+        trace, handover, pol, name, num_engines=e, ranks_per_engine=r, cost=cost, bin_s=bin_s,
+        max_batch=mb, max_kv_tokens=mk, admission_limit_tokens=limit, window_s=window,
+        migration_latency_s=lat, migration_s_per_kv_token=per_token,
     )  # fmt: skip
-    ACC = np.zeros(2 * K.N_DACC)
-    BINS = np.zeros((2, K_BINS))
-    EVR = np.zeros(n + 16 if mk is None else 2 * n + 16, dtype=np.int64)
-    view = DecodeView(e, r, _readonly(DK[K.DK_B]), _readonly(DK[K.DK_S]), _readonly(steps), mb,
-                      limit)  # fmt: skip
-    observe = pol.observe
-    route = pol.route
-    migrations = getattr(pol, "migrations", None)
-    advance = K.decode_advance
-    admit = K.decode_admit
-    wait = np.zeros(n)
-    refusal = np.zeros(n, dtype=np.int8)
-    queue: deque[int] = deque()  # the wait queue (FIFO; preempted requests at its head)
-    queued_at = np.zeros(n)
-    seq = 0
-    preempted = 0
-
-    def _place(i: int, t: float) -> bool:
-        """Offer request ``i`` to the policy at ``t``; admit it if it is placed."""
-        nonlocal seq
-        kv = int(DI[K.DI_KV, i])
-        f = route(i, kv, now_s=t, view=view)
-        if f < 0:
-            return False
-        if not 0 <= f < nr:
-            raise ValueError(f"policy {name!r} returned rank {f} outside [0, {nr})")
-        if _over_capacity(DK, f, kv, mb, limit):
-            raise ValueError(f"policy {name!r} placed request {i} beyond a rank's capacity")
-        admit(i, f, t, seq, DI, DF, DK, DE, D)
-        seq += 1
-        return True
-
-    def _offer(t: float) -> None:
-        """Offer the wait queue's head to the policy, in order, until one is not placed."""
-        while queue:
-            i = queue[0]
-            if not _place(i, t):
-                if DK[K.DK_B].any():
-                    break
-                refusal[i] = 1 + REFUSALS.index("policy")  # refused on an empty pool
-            else:
-                wait[i] += t - queued_at[i]
-            queue.popleft()
-        D[K.D_STOP] = 1.0 if queue else 0.0
-
-    def _advance(t: float) -> None:
-        nonlocal preempted
-        while True:
-            nev, complete, last_t = advance(t, DI, DF, DK, DE, ACT, D, ACC, BINS, EVR)
-            steps[:] = DE[K.DE_STEPS]
-            if nev:
-                now = t if complete and t < math.inf else float(DE[K.DE_READY].max())
-                if not complete:
-                    now = last_t
-                ev = EVR[:nev]
-                back = ev < 0
-                if back.any():  # preempted: they left their rank too
-                    left = np.where(back, -1 - ev, ev)
-                    observe(left, now_s=now, view=view)
-                    ids = left[back]
-                    ids = ids[np.argsort(DI[K.DI_SEQ, ids], kind="stable")]
-                    queue.extendleft(ids[::-1].tolist())
-                    queued_at[ids] = DF[K.DF_JOIN, ids]  # the preemption time
-                    preempted += int(ids.size)
-                    D[K.D_STOP] = 1.0
-                else:
-                    observe(ev, now_s=now, view=view)
-                if queue and not complete and D[K.D_STOP] > 0 and ev[-1] >= 0:
-                    _offer(now)  # the kernel stopped at a step end where requests finished
-            if complete:
-                return
-
-    count = order.size
-    num_moves, move_s = 0, 0.0
-    for j, i in enumerate(order.tolist()):
-        t = float(handover[i])
-        if t > horizon:
-            break
-        if out[i] == 1:
-            DI[K.DI_RANK, i] = -2
-            DF[K.DF_JOIN, i] = t
-            DF[K.DF_FINISH, i] = t
-            continue
-        if limit is not None and kv0[i] > limit:
-            refusal[i] = 1 + REFUSALS.index("too_long")
-            continue
-        if mk is not None and kv0[i] + out[i] - 1 > mk:
-            refusal[i] = 1 + REFUSALS.index("outgrows")
-            continue
-        _advance(t)
-        if migrations is not None:
-            moved, moved_s = _migrate(migrations(now_s=t, view=view), name, t, DI, DF, DK, DE,
-                                      ACT, D, nr, mb, limit)  # fmt: skip
-            num_moves += moved
-            move_s += moved_s
-        if queue or not _place(i, t):
-            queue.append(i)
-            queued_at[i] = t
-            D[K.D_STOP] = 1.0
-            if not DK[K.DK_B].any():
-                _offer(t)  # nothing runs: no step end would offer the queue
-        if on_progress is not None and (j + 1) % 1000 == 0:
-            on_progress(j + 1, count)
-    _advance(horizon)
-    while queue and horizon == math.inf:  # only policy refusals on an empty pool remain
-        _offer(float(DE[K.DE_READY].max()))
-        _advance(horizon)
-    fin = DF[K.DF_FINISH]
-    end = float(np.nanmax(fin)) if (~np.isnan(fin)).any() else 0.0
-    if horizon < math.inf:
-        end = horizon
-    return DecodeRun(
-        policy=name,
-        num_engines=e,
-        ranks_per_engine=r,
-        cost=cost,
-        handover_s=handover,
-        rank=DI[K.DI_RANK].copy(),
-        finish_s=fin.copy(),
-        output_tokens=np.asarray(out),
-        step_mean_s=float(ACC[K.DACC_MEAN]),
-        step_max_s=float(ACC[K.DACC_MAX]),
-        step_time_s=float(ACC[K.DACC_TIME]),
-        count_imbalance_s=float(ACC[K.DACC_BIMB]),
-        kv_imbalance_s=float(ACC[K.DACC_SIMB]),
-        count_floor_s=float(ACC[K.DACC_BFLOOR]),
-        num_steps=int(ACC[K.DACC_STEPS]),
-        tokens_generated=int(ACC[K.DACC_TOKENS]),
-        bin_s=bin_s,
-        bin_mean_s=BINS[0].copy(),
-        bin_max_s=BINS[1].copy(),
-        end_s=end,
-        window_s=window,
-        window_sums=None if window is None else ACC[K.DACC_W :].copy(),
-        migrations=num_moves,
-        migration_s=move_s,
-        wait_s=wait,
-        refusal=refusal,
-        preemptions=preempted,
-        kv_capacity_tokens=mk,
-    )
-
-
-def _over_capacity(DK: np.ndarray, f: int, kv: int, mb: int | None, mk: int | None) -> bool:
-    """Whether one more request of ``kv`` tokens on flat rank ``f`` exceeds a capacity."""
-    return (mb is not None and DK[K.DK_B, f] + 1 > mb) or (
-        mk is not None and DK[K.DK_S, f] + kv > mk
-    )
-
-
-def _migrate(moves: Any, name: str, t: float, DI, DF, DK, DE, ACT, D, nr: int,
-             mb: int | None, mk: int | None) -> tuple[int, float]:  # fmt: skip
-    """Apply a decode policy's migrations ``[(request, flat rank), ...]`` (see the protocol).
-
-    Returns the number of moves and the sum of their transfer times.
-    """
-    count, total_s = 0, 0.0
-    for i, g in moves:
-        if not 0 <= g < nr:
-            raise ValueError(f"policy {name!r} migrated request {i} to rank {g} outside [0, {nr})")
-        same = DI[K.DI_RANK, i] == g
-        if not same and _over_capacity(DK, g, DI[K.DI_KV, i], mb, mk):
-            raise ValueError(f"policy {name!r} migrated request {i} beyond a rank's capacity")
-        code = K.decode_migrate(i, g, t, DI, DF, DK, DE, ACT, D)
-        if code == -1:
-            raise ValueError(f"policy {name!r} migrated request {i}, which is not running")
-        if same:
-            continue
-        count += 1
-        total_s += float(D[K.D_MIG_LAT] + D[K.D_MIG_TOKEN] * DI[K.DI_KV, i])
-    return count, total_s
-
-
-def _window_iv(window_s: Any) -> tuple[float, float] | None:
-    if window_s is None:
-        return None
-    try:
-        w0, w1 = window_s
-    except (TypeError, ValueError):
-        raise TypeError("window_s: must be a pair (start_s, stop_s) or None") from None
-    w0 = check_real(w0, "window_s[0]", allow_inf=True)
-    w1 = check_real(w1, "window_s[1]", allow_inf=True)
-    if not w1 > w0:
-        raise ValueError(f"window_s: stop must be after start, got ({w0}, {w1})")
-    return w0, w1
+    replay(pool, order, handover, horizon_s=horizon, on_progress=on_progress)
+    return pool.result(horizon)
 
 
 def warmup() -> None:
     """Compile every kernel of :mod:`lbkit.sim` on a tiny scenario."""
     from lbkit.core.cost import PRESETS
+    from lbkit.sim.decode_pool import warmup_migrate
 
     trace = Trace(arrival_s=[0.0, 0.5, 1.0], total_tokens=[100, 2000, 300], output_tokens=[3, 1, 5])
     unit = PRESETS["unit"]
@@ -1115,13 +453,4 @@ def warmup() -> None:
     run = simulate_prefill(trace, "lbkit", num_engines=2, ranks_per_engine=2,
                            cost=unit.prefill, budget_s=500.0)  # fmt: skip
     simulate_decode(run, "lbkit", num_engines=1, ranks_per_engine=2, cost=unit.decode)
-    DI = np.zeros((K.N_DI, 1), dtype=np.int64)
-    DI[K.DI_LEFT] = 1
-    DI[K.DI_POS] = -1
-    DK = np.ones((K.N_DK, 2), dtype=np.int64)
-    D = np.full(K.N_D, 2.0)
-    D[K.D_MIG_LAT] = 0.0
-    D[K.D_MIG_TOKEN] = 0.0
-    D[K.D_CAP] = np.inf
-    DE = np.zeros((K.N_DE, 1))
-    K.decode_migrate(0, 1, 0.0, DI, np.zeros((K.N_DF, 1)), DK, DE, np.zeros((1, 1), np.int64), D)
+    warmup_migrate()

@@ -49,7 +49,6 @@ Runtime complexity: O(steps * (ranks_per_engine + requests per step) + requests 
 
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -57,13 +56,12 @@ import numpy as np
 from lbkit.core._jit import jit
 from lbkit.core.cost import QuadraticCost
 from lbkit.core.validation import as_float_array, check_int, check_real
+from lbkit.sim import _prefill_layout as L
+from lbkit.sim._plan_kernels import fit_chunk, local_work, plan_work
+from lbkit.sim._prefill_layout import P_A, P_BUDGET, P_MIN_CHUNK, P_MOE
 from lbkit.sim.traces import Trace
 
 __all__ = ["IdealRun", "alone_s", "simulate_ideal_prefill"]
-
-# Layout of the parameter vector of the kernel.
-_A, _B_PLAN, _B_LOCAL, _K, _Q, _GAMMA, _MOE, _BUDGET, _MIN_CHUNK, _ALIGN, _LEVEL = range(11)
-_N_PARAMS = 11
 
 
 class IdealRun(NamedTuple):
@@ -85,47 +83,6 @@ class IdealRun(NamedTuple):
     ttft_s: np.ndarray
     num_steps: int
     busy_s: float
-
-
-@jit
-def _plan_work(P, c, p):
-    # Planned cost of a chunk of c new tokens after a prefix of p (balanced-engine coefficient).
-    if c <= 0:
-        return 0.0
-    return c * (P[_B_PLAN] + P[_K] * p + P[_Q] * c) + P[_GAMMA] * p
-
-
-@jit
-def _local_work(P, c, p):
-    if c <= 0:
-        return 0.0
-    return c * (P[_B_LOCAL] + P[_K] * p + P[_Q] * c) + P[_GAMMA] * p
-
-
-@jit
-def _fit_chunk(P, room, rem, p):
-    # Largest chunk of a request (rem tokens left after prefix p) whose planned cost fits room:
-    # the whole request, or a chunk aligned down and at least min_chunk (else 0).
-    if not room > 0.0:
-        return 0
-    slack = room - P[_GAMMA] * p
-    if not slack > 0.0:
-        return 0
-    beta = P[_B_PLAN] + P[_K] * p
-    root = 2.0 * slack / (beta + math.sqrt(beta * beta + 4.0 * P[_Q] * slack))
-    c = np.int64(math.floor(min(root, 2.0**62)))
-    if c > rem:
-        c = rem
-    while c < rem and _plan_work(P, c + 1, p) <= room:
-        c += 1
-    while c > 0 and _plan_work(P, c, p) > room:
-        c -= 1
-    if c < rem:
-        align = np.int64(P[_ALIGN])
-        c = (c // align) * align
-        if c < np.int64(P[_MIN_CHUNK]):
-            c = 0
-    return c
 
 
 @jit
@@ -167,7 +124,7 @@ def _pop(heap, size, key):
 
 
 @jit
-def _ideal_kernel(arrival, rem0, prefix0, key, num_engines, ranks, P, finish):
+def _ideal_kernel(arrival, rem0, prefix0, key, num_engines, ranks, P, level, finish):
     n = arrival.shape[0]
     rem = rem0.copy()
     pref = prefix0.copy()
@@ -186,9 +143,9 @@ def _ideal_kernel(arrival, rem0, prefix0, key, num_engines, ranks, P, finish):
     steps = 0
     busy = 0.0
     queued = 0.0  # planned work of the requests in the central queue
-    budget = P[_BUDGET]
-    a = P[_A]
-    min_chunk = np.int64(P[_MIN_CHUNK])
+    budget = P[P_BUDGET]
+    a = P[P_A]
+    min_chunk = np.int64(P[P_MIN_CHUNK])
     while True:
         t_arr = arrival[arrived] if arrived < n else np.inf
         t_end = np.inf
@@ -202,7 +159,7 @@ def _ideal_kernel(arrival, rem0, prefix0, key, num_engines, ranks, P, finish):
             if end[e] == t:
                 end[e] = np.inf
         while arrived < n and arrival[arrived] <= t:
-            queued += _plan_work(P, rem[arrived], pref[arrived])
+            queued += plan_work(P, rem[arrived], pref[arrived])
             size = _push(heap, size, key, arrived)
             arrived += 1
         for e in range(num_engines):
@@ -235,31 +192,29 @@ def _ideal_kernel(arrival, rem0, prefix0, key, num_engines, ranks, P, finish):
                 if ran[best]:
                     p = -1  # its started request has had its chunk this step
                 h = -1
-                if size > 0 and (
-                    P[_LEVEL] == 0.0 or planned[best] == a or planned[best] - a < share
-                ):
+                if size > 0 and (not level or planned[best] == a or planned[best] - a < share):
                     h = heap[0]  # (level: the rank does not yet hold its share of the queue)
                 room = budget - planned[best]
                 if h >= 0 and p >= 0:
                     # The queue's head overtakes the rank's started request only if it is more
                     # urgent and fits whole (a rank holds at most one started request).
-                    if not (_before(key, h, p) and _fit_chunk(P, room, rem[h], pref[h]) >= rem[h]):
+                    if not (_before(key, h, p) and fit_chunk(P, room, rem[h], pref[h]) >= rem[h]):
                         h = -1
                 if h < 0 and p < 0:
                     is_open[best] = False
                     continue
                 i = h if h >= 0 else p
-                c = _fit_chunk(P, room, rem[i], pref[i])
+                c = fit_chunk(P, room, rem[i], pref[i])
                 if c == 0:
                     if planned[best] > a:
                         is_open[best] = False  # full: the next open rank may take it
                         continue
                     c = min_chunk if min_chunk < rem[i] else rem[i]  # progress guarantee
-                planned[best] += _plan_work(P, c, pref[i])
-                local[best] += _local_work(P, c, pref[i])
+                planned[best] += plan_work(P, c, pref[i])
+                local[best] += local_work(P, c, pref[i])
                 tokens[best] += c
                 if h >= 0:
-                    queued -= _plan_work(P, rem[i], pref[i])
+                    queued -= plan_work(P, rem[i], pref[i])
                     size = _pop(heap, size, key)
                 else:
                     ran[best] = True
@@ -279,7 +234,7 @@ def _ideal_kernel(arrival, rem0, prefix0, key, num_engines, ranks, P, finish):
                 total += tokens[r]
                 if local[r] > slowest:
                     slowest = local[r]
-            step = a + slowest + P[_MOE] * total / ranks
+            step = a + slowest + P[P_MOE] * total / ranks
             end[e] = t + step
             steps += 1
             busy += step * ranks
@@ -290,17 +245,21 @@ def _ideal_kernel(arrival, rem0, prefix0, key, num_engines, ranks, P, finish):
 
 @jit
 def _alone_kernel(rem0, prefix0, ranks, P, out):
-    a = P[_A]
-    min_chunk = np.int64(P[_MIN_CHUNK])
+    # Each request's plan alone on an idle rank of an engine of `ranks` ranks: the plan of
+    # _plan_kernels.prefill_alone (PrefillRun.alone_s), with each step's time summed as fixed
+    # plus local work plus its shared share rather than as the planned time less the
+    # balanced-engine guess; the two agree to rounding, and the SLO's denominator is this one.
+    a = P[P_A]
+    min_chunk = np.int64(P[P_MIN_CHUNK])
     for i in range(rem0.shape[0]):
         rem = rem0[i]
         pref = prefix0[i]
         t = 0.0
         while rem > 0:
-            c = _fit_chunk(P, P[_BUDGET] - a, rem, pref)
+            c = fit_chunk(P, P[P_BUDGET] - a, rem, pref)
             if c == 0:
                 c = min_chunk if min_chunk < rem else rem
-            t += a + _local_work(P, c, pref) + P[_MOE] * c / ranks
+            t += a + local_work(P, c, pref) + P[P_MOE] * c / ranks
             rem -= c
             pref += c
         out[i] = t
@@ -312,12 +271,11 @@ def _params(cost: Any, budget_s: Any, min_chunk: Any, align: Any) -> np.ndarray:
     budget = check_real(budget_s, "budget_s", min_value=0.0, strict_min=True)
     min_chunk = check_int(min_chunk, "min_chunk", min_value=1)
     align = check_int(align, "align", min_value=1)
-    moe = cost.moe_s_per_token
-    P = np.zeros(_N_PARAMS)
-    P[_A], P[_B_LOCAL], P[_K], P[_Q], P[_GAMMA] = cost.a, cost.b, cost.k, cost.q, cost.gamma
-    P[_B_PLAN] = cost.b + moe
-    P[_MOE] = moe
-    P[_BUDGET], P[_MIN_CHUNK], P[_ALIGN] = budget, min_chunk, align
+    # The prefill pool's parameter layout, so that the plan's kernels serve both.
+    P = np.zeros(L.N_P)
+    P[L.P_A], P[L.P_B], P[L.P_K] = cost.a, cost.b, cost.k
+    P[L.P_Q], P[L.P_GAMMA], P[L.P_MOE] = cost.q, cost.gamma, cost.moe_s_per_token
+    P[L.P_BUDGET], P[L.P_MIN_CHUNK], P[L.P_ALIGN] = budget, min_chunk, align
     return P
 
 
@@ -407,7 +365,6 @@ def simulate_ideal_prefill(
     e = check_int(num_engines, "num_engines", min_value=1)
     r = check_int(ranks_per_engine, "ranks_per_engine", min_value=1)
     P = _params(cost, budget_s, min_chunk, align)
-    P[_LEVEL] = 1.0 if level else 0.0
     n = len(trace)
     finish = np.full(n, np.nan)
     if n == 0:
@@ -419,5 +376,5 @@ def simulate_ideal_prefill(
         key = np.arange(n, dtype=np.float64)
     else:
         key = as_float_array(deadline_s, "deadline_s", shape=(n,))
-    steps, busy = _ideal_kernel(arrival, rem, cached, key, e, r, P, finish)
+    steps, busy = _ideal_kernel(arrival, rem, cached, key, e, r, P, bool(level), finish)
     return IdealRun(finish, finish - arrival, int(steps), float(busy))

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from lbkit.prefill.buckets import DEFAULT_EDGES
-from lbkit.sim import _kernels as K
+from lbkit.sim import _decode_kernels as K
 from lbkit.sim.engine import DecodeRun, PrefillRun
 from lbkit.sim.traces import bucket_labels
 
