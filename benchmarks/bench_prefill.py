@@ -28,11 +28,12 @@ def _warm():
     lbkit.warmup(packages=("prefill",))
 
 
-#: Rank-choice options of the routing benchmark: the plain least quota load, the engine-aware
-#: choice of the simulator's ``lbkit`` policy (wake penalty and hole filling), and the choice by
-#: engine for context-parallel engines.
+#: Rank-choice options of the routing benchmark: the default lockstep rule (what the simulator's
+#: ``lbkit`` policy runs), the plain least quota load, the least quota load with a wake penalty
+#: and hole filling, and the choice by engine for context-parallel engines.
 OPTIONS = {
     "plain": {},
+    "least_load": {"rank_rule": "least_load"},
     "engine_aware": {"wake_penalty_s": 1.0, "fill_holes": True},
     "context_parallel": {"context_parallel": True},
 }
@@ -40,8 +41,7 @@ OPTIONS = {
 
 def _pool(ranks: int, **options) -> PrefillBalancer:
     """One bucket's engines holding all ``ranks`` ranks (4 per engine), with a warm ledger."""
-    bal = PrefillBalancer(ranks // 4, 4, cost=COST, initial_engines=[ranks // 4, 0, 0, 0],
-                          **options)  # fmt: skip
+    bal = PrefillBalancer(ranks // 4, 4, cost=COST, **options)
     rng = np.random.default_rng(0)
     for i in range(4 * ranks):
         bal.route(f"w{i}", int(rng.integers(256, 16000)), 0, now_s=0.0)
@@ -56,6 +56,22 @@ def bench_route(benchmark, ranks, options):
 
     def route():
         return bal.route(next(ids), 8000, 1024, now_s=1.0)
+
+    benchmark.group = f"prefill_route|{ranks}"
+    benchmark.pedantic(route, rounds=ROUNDS, iterations=ITERATIONS, warmup_rounds=1)
+    bal._check()
+    assert bal.statistics().routed == 4 * ranks + next(ids)
+
+
+@pytest.mark.parametrize("ranks", [64])
+def bench_route_per_rank_cache(benchmark, ranks):
+    # The default rule given the request's cached tokens on every rank (local prefix caches).
+    bal = _pool(ranks)
+    ids = itertools.count()
+    hits = (np.random.default_rng(1).integers(0, 16, size=ranks) * 512).astype(np.int64)
+
+    def route():
+        return bal.route(next(ids), 8704, hits, now_s=1.0)
 
     benchmark.group = f"prefill_route|{ranks}"
     benchmark.pedantic(route, rounds=ROUNDS, iterations=ITERATIONS, warmup_rounds=1)

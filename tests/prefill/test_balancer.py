@@ -36,7 +36,7 @@ def candidates(bal, bucket):
 
 
 def test_route_takes_the_least_loaded_rank_of_the_bucket_lowest_index_on_ties():
-    bal = make()
+    bal = make(rank_rule="least_load")
     rng = np.random.default_rng(1)
     for i in range(60):
         total = int(rng.integers(1, 800))

@@ -103,7 +103,8 @@ class BalancerMachine(RuleBasedStateMachine):
             self.OPTIONS.get(k) for k in ("wake_penalty_s", "fill_holes", "context_parallel")
         )
         if lockstep:
-            # Earliest finish in lockstep steps (budget 1 s), plus 0.1 x the engine's growth.
+            # Earliest finish in lockstep steps (budget 1 s), plus 0.6 x the growth of a busy
+            # engine's work, 0.1 x that of an idle one.
             rem = total - cached
             own = float(COST.quota(rem, cached)) + COST.moe_s_per_token * rem
 
@@ -113,7 +114,7 @@ class BalancerMachine(RuleBasedStateMachine):
                 busy = sum(count[e * RANKS : (e + 1) * RANKS]) > 0
                 y = work[x] + own
                 fin = min(max(y, top), math.ceil(y / 1.0)) if busy else y
-                return fin + 0.1 * max(0.0, y - top)
+                return fin + (0.6 if busy else 0.1) * max(0.0, y - top)
 
             best = min(lockstep_score(x) for x in cand)
             assert lockstep_score(f) <= best + 1e-9 * max(1.0, best)

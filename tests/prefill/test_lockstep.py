@@ -16,7 +16,7 @@ from lbkit.prefill.lockstep import N_COEF, lockstep_rank, lockstep_scored
 COST = PRESETS["h800_dsv3"].prefill
 
 
-def oracle(work, request, busy, budget, growth):
+def oracle(work, request, busy, budget, growth, idle_growth):
     """The module docstring's rule, written out rank by rank."""
     engines, ranks = work.shape
     scores = []
@@ -28,7 +28,8 @@ def oracle(work, request, busy, budget, growth):
                 finish = min(max(x, top), math.ceil(x / budget) * budget)
             else:
                 finish = x
-            scores.append(finish + growth * max(0.0, x - top))
+            weight = growth if busy[e] else idle_growth
+            scores.append(finish + weight * max(0.0, x - top))
     best = min(scores)
     return scores.index(best), scores
 
@@ -46,15 +47,18 @@ def pools(draw):
     request = request.reshape(engines, ranks)
     budget = draw(st.sampled_from([0.25, 1.0, 2.0]))
     growth = draw(st.sampled_from([0.0, 0.6, 2.0]))
-    return work, request, budget, growth
+    idle_growth = draw(st.sampled_from([0.0, 0.1, 2.0]))
+    return work, request, budget, (growth, idle_growth)
 
 
 @given(pools())
 def test_lockstep_rank_equals_the_oracle(case):
     work, request, budget, growth = case
     busy = work.max(axis=1) > 0.0
-    got = lockstep_rank(work, request, step_budget_s=budget, growth_weight=growth)
-    want, scores = oracle(work, request, busy, budget, growth)
+    got = lockstep_rank(
+        work, request, step_budget_s=budget, growth_weight=growth[0], idle_growth_weight=growth[1]
+    )
+    want, scores = oracle(work, request, busy, budget, *growth)
     # equal objective; the oracle's first minimum is the lowest flat index
     assert scores[got] == pytest.approx(scores[want], abs=1e-9)
     assert got == want or scores[got] == scores[want]
@@ -70,11 +74,12 @@ def test_balancer_kernel_equals_the_pure_rule(case, total, data):
     hit = np.array(data.draw(st.lists(st.integers(0, total - 1), min_size=n, max_size=n)))
     count = (work.ravel() > 0).astype(np.int64)
     coef = np.zeros(N_COEF)
-    coef[:] = (COST.b, COST.k, COST.q, COST.gamma, COST.moe_s_per_token, budget, growth)
+    coef[:] = (COST.b, COST.k, COST.q, COST.gamma, COST.moe_s_per_token, budget, *growth)
     rem = total - hit
     request = (COST.quota(rem, hit) + COST.moe_s_per_token * rem).reshape(engines, ranks)
     k, score, cached = lockstep_scored(work.ravel(), count, 0, n, ranks, total, hit, 0, coef)
-    want, scores = oracle(work, request, count.reshape(engines, ranks).any(axis=1), budget, growth)
+    busy = count.reshape(engines, ranks).any(axis=1)
+    want, scores = oracle(work, request, busy, budget, *growth)
     assert score == pytest.approx(scores[want], rel=1e-12, abs=1e-12)
     assert cached == hit[k]
 
@@ -99,7 +104,7 @@ def test_a_rank_holding_the_prefix_wins_when_its_extra_load_is_below_the_saving(
     request[0, 0] = own
     saving = full - own
     extra = work[0, 0] - work[1:, 0].min()
-    got = lockstep_rank(work, request, growth_weight=growth)
+    got = lockstep_rank(work, request, growth_weight=growth, idle_growth_weight=growth)
     if extra < saving - 1e-9:
         assert got == 0
     if extra > (1.0 + growth) * saving + 1e-9:
@@ -162,13 +167,15 @@ def test_lockstep_rank_rejects_bad_input():
         lockstep_rank([[1.0, 2.0]], 0.5, step_budget_s=0.0)
     with pytest.raises(ValueError, match="growth_weight"):
         lockstep_rank([[1.0, 2.0]], 0.5, growth_weight=-1.0)
+    with pytest.raises(ValueError, match="idle_growth_weight"):
+        lockstep_rank([[1.0, 2.0]], 0.5, idle_growth_weight=-1.0)
     with pytest.raises(TypeError, match="busy"):
         lockstep_rank([[1.0, 2.0]], 0.5, busy=[1])
 
 
 def test_an_idle_engine_beats_a_busy_engines_idle_rank_for_a_short_prompt():
     # a 0.3 s prompt: one 1 s step next to a busy sibling, 0.3 s on the idle engine
-    assert lockstep_rank([[5.0, 0.0], [0.0, 0.0]], 0.3, growth_weight=0.0) == 2
+    assert lockstep_rank([[5.0, 0.0], [0.0, 0.0]], 0.3, idle_growth_weight=0.0) == 2
 
 
 def test_cost_without_shared_work_is_accepted():

@@ -78,6 +78,7 @@ from lbkit.prefill.lockstep import (
     C_BUDGET,
     C_GAMMA,
     C_GROWTH,
+    C_IDLE_GROWTH,
     C_K,
     C_MOE,
     C_Q,
@@ -319,8 +320,9 @@ class PrefillBalancer:
         ``fill_holes`` and ``context_parallel`` refine the least-load rule and select it.
     step_budget_s : float, default 1.0
         The engines' step time budget, seconds (lockstep rule).
-    growth_weight : float, default 0.1
-        Lockstep rule: seconds of score per second a request adds to its engine's busiest rank.
+    growth_weight, idle_growth_weight : float, default 0.6, 0.1
+        Lockstep rule: seconds of score per second a request adds to the busiest rank of a busy,
+        or an idle, engine.
     rng : numpy Generator, int seed or None
         Randomness for ``sample``.
     now_s : float, default 0
@@ -380,7 +382,8 @@ class PrefillBalancer:
         context_parallel: bool = False,
         rank_rule: str = "lockstep",
         step_budget_s: float = 1.0,
-        growth_weight: float = 0.1,
+        growth_weight: float = 0.6,
+        idle_growth_weight: float = 0.1,
         rng: np.random.Generator | int | None = None,
         now_s: float = 0.0,
     ) -> None:
@@ -454,6 +457,9 @@ class PrefillBalancer:
             step_budget_s, "step_budget_s", min_value=0.0, strict_min=True
         )
         self._coef[C_GROWTH] = check_real(growth_weight, "growth_weight", min_value=0.0)
+        self._coef[C_IDLE_GROWTH] = check_real(
+            idle_growth_weight, "idle_growth_weight", min_value=0.0
+        )
         self._rng = as_rng(rng)
         now = _time(now_s)
         if initial_engines is None:
@@ -1376,6 +1382,7 @@ class PrefillBalancer:
                 "rank_rule": self._rule,
                 "step_budget_s": float(self._coef[C_BUDGET]),
                 "growth_weight": float(self._coef[C_GROWTH]),
+                "idle_growth_weight": float(self._coef[C_IDLE_GROWTH]),
             },
             "state": {
                 "engine_bucket": self._home.tolist(),

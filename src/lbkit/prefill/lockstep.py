@@ -19,8 +19,11 @@ lengthening its engine's work:
   request finishes after ``x``; on a busy one the rank's ``ceil(x / B)`` chunks each take a step
   of up to the budget ``B``, and steps are no longer than the engine's work lasts, so it finishes
   after ``finish = min(max(x, top), ceil(x / B) * B)``;
-- ``score = finish + growth_weight * max(0, x - top)``: the engine's work grows by
-  ``max(0, x - top)``, and every later request of that engine waits in its longer steps.
+- ``score = finish + weight * max(0, x - top)``: the engine's work grows by ``max(0, x - top)``,
+  and every later request of that engine waits in its longer steps. Lengthening a busy engine
+  also delays the requests already sharing its steps, so it weighs ``growth_weight``; waking
+  an idle engine weighs ``idle_growth_weight`` (smaller: with per-rank prefix caches a larger
+  one sends requests away from the busy rank that holds their prefix).
 
 The least score wins; ties go to the lowest flat index. With prefix caches ``request_s`` differs
 per rank (a rank holding the request's prefix computes fewer tokens), so the same score trades
@@ -44,9 +47,9 @@ __all__ = ["lockstep_rank"]
 #: Entries of the coefficient vector of :func:`lockstep_scored`: the cost model's local
 #: per-token, per-(token x prefix token), per-token-squared and per-cached-token coefficients,
 #: the routed-expert seconds per token of a balanced engine, the step budget and the growth
-#: weight.
-C_B, C_K, C_Q, C_GAMMA, C_MOE, C_BUDGET, C_GROWTH = range(7)
-N_COEF = 7
+#: weights of busy and idle engines.
+C_B, C_K, C_Q, C_GAMMA, C_MOE, C_BUDGET, C_GROWTH, C_IDLE_GROWTH = range(8)
+N_COEF = 8
 
 
 @jit
@@ -76,6 +79,7 @@ def lockstep_scored(work, count, lo, hi, ranks, total, hit, hit0, coef):
     moe = coef[C_MOE]
     budget = coef[C_BUDGET]
     growth = coef[C_GROWTH]
+    idle_growth = coef[C_IDLE_GROWTH]
     uniform = hit.shape[0] == 0
     best_k = -1
     best = np.inf
@@ -96,7 +100,7 @@ def lockstep_scored(work, count, lo, hi, ranks, total, hit, hit0, coef):
             grow = x - top
             v = _finish(x, top, busy, budget)
             if grow > 0.0:
-                v += growth * grow
+                v += (growth if busy else idle_growth) * grow
             if v < best:
                 best = v
                 best_k = s - lo
@@ -105,7 +109,7 @@ def lockstep_scored(work, count, lo, hi, ranks, total, hit, hit0, coef):
 
 
 @jit
-def _lockstep_flat(work, busy, request, ranks, budget, growth):
+def _lockstep_flat(work, busy, request, ranks, budget, growth, idle_growth):
     """:func:`lockstep_rank` on clean arrays: ``work`` and ``request`` of shape (n,), ``busy``
     of shape (n // ranks,)."""
     best_k = -1
@@ -120,7 +124,7 @@ def _lockstep_flat(work, busy, request, ranks, budget, growth):
             x = work[s] + request[s]
             v = _finish(x, top, busy[e], budget)
             if x > top:
-                v += growth * (x - top)
+                v += (growth if busy[e] else idle_growth) * (x - top)
             if v < best:
                 best = v
                 best_k = s
@@ -134,7 +138,8 @@ def lockstep_rank(
     *,
     busy: Any = None,
     step_budget_s: float = 1.0,
-    growth_weight: float = 0.1,
+    growth_weight: float = 0.6,
+    idle_growth_weight: float = 0.1,
 ) -> int:
     """Flat index of the rank where a request finishes first, engines stepping in lockstep.
 
@@ -149,8 +154,10 @@ def lockstep_rank(
         Engines holding at least one request. Default: engines with positive work somewhere.
     step_budget_s : float, default 1.0
         The engines' step time budget, seconds (> 0).
-    growth_weight : float, default 0.1
-        Seconds of score per second the request adds to its engine's most loaded rank (>= 0).
+    growth_weight : float, default 0.6
+        Seconds of score per second the request adds to a busy engine's most loaded rank (>= 0).
+    idle_growth_weight : float, default 0.1
+        The same for an idle engine (>= 0).
 
     Returns
     -------
@@ -167,7 +174,7 @@ def lockstep_rank(
 
     >>> lockstep_rank([[5.0, 0.0], [0.0, 0.0]], 0.3)
     2
-    >>> lockstep_rank([[5.0, 0.0], [0.0, 0.0]], 0.3, growth_weight=5.0)
+    >>> lockstep_rank([[5.0, 0.0], [0.0, 0.0]], 0.3, idle_growth_weight=5.0)
     1
 
     A rank holding most of the prompt's prefix wins although its engine is busier:
@@ -195,6 +202,7 @@ def lockstep_rank(
             raise ValueError(f"busy: must have shape ({work.shape[0]},), got {on.shape}")
     budget = check_real(step_budget_s, "step_budget_s", min_value=0.0, strict_min=True)
     growth = check_real(growth_weight, "growth_weight", min_value=0.0)
+    idle_growth = check_real(idle_growth_weight, "idle_growth_weight", min_value=0.0)
     return int(
         _lockstep_flat(
             np.ascontiguousarray(work.ravel()),
@@ -203,6 +211,7 @@ def lockstep_rank(
             work.shape[1],
             budget,
             growth,
+            idle_growth,
         )
     )
 
@@ -211,7 +220,7 @@ def warmup() -> None:
     """Compile this module's kernels on tiny inputs."""
     work = np.array([1.0, 0.0, 0.0, 0.0])
     count = np.array([1, 0, 0, 0], dtype=np.int64)
-    coef = np.array([1e-4, 0.0, 0.0, 0.0, 1e-4, 1.0, 0.6])
+    coef = np.array([1e-4, 0.0, 0.0, 0.0, 1e-4, 1.0, 0.6, 0.1])
     lockstep_scored(work, count, 0, 4, 2, 100, np.zeros(0, dtype=np.int64), 0, coef)
     lockstep_scored(work, count, 0, 4, 2, 100, np.zeros(4, dtype=np.int64), 0, coef)
-    _lockstep_flat(work, np.array([True, False]), np.full(4, 0.5), 2, 1.0, 0.6)
+    _lockstep_flat(work, np.array([True, False]), np.full(4, 0.5), 2, 1.0, 0.6, 0.1)
