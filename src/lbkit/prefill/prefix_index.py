@@ -241,7 +241,7 @@ class PrefixIndex:
         Runtime complexity: O(m) dictionary look-ups and big-int ANDs of ``num_ranks`` bits,
         plus O(k * num_ranks) numpy work for the ``k <= m`` distinct sets of ranks met.
         """
-        return self._hits(_as_hashes(block_hashes), 1)[0]
+        return self._hits(_as_hashes(block_hashes), 1, None)
 
     def hit_tokens(self, block_hashes: Any, total_tokens: int, /) -> np.ndarray:
         """Cached prefix tokens of a prompt on every rank (no LRU update).
@@ -279,13 +279,12 @@ class PrefixIndex:
                 f"{total_tokens}-token prompt (at most ceil({total_tokens} / {self._bt}) = "
                 f"{-(-total_tokens // self._bt)}); is block_tokens right?"
             )
-        hits, depth = self._hits(hashes, self._bt)
-        if depth * self._bt >= total_tokens:
-            np.minimum(hits, total_tokens - 1, out=hits)
-        return hits
+        return self._hits(hashes, self._bt, total_tokens - 1)
 
-    def _hits(self, hashes: list[int], scale: int) -> tuple[np.ndarray, int]:
-        # One walk with the set of ranks still matching; runs: (that set, its blocks in a row).
+    def _hits(self, hashes: list[int], scale: int, limit: int | None) -> np.ndarray:
+        # One walk with the set of ranks still matching; runs: (that set, its blocks in a row),
+        # scaled. Only the ranks of the last run reach depth * scale, and the excess over limit
+        # is at most one block (hit_tokens checks the block count), so clipping shortens that run.
         get = self._holders.get
         live = self._all
         masks: list[int] = []
@@ -309,16 +308,18 @@ class PrefixIndex:
         look[1] += len(hashes)
         look[2] += depth
         if not masks:
-            return np.zeros(self._n, dtype=np.int64), 0
+            return np.zeros(self._n, dtype=np.int64)
+        if limit is not None and depth * scale > limit:
+            runs[-1] -= depth * scale - limit
         nb = self._nbytes
         if len(masks) == 1:  # one set of ranks holds the whole matched prefix (the common case)
             raw = np.frombuffer(masks[0].to_bytes(nb, "little"), dtype=np.uint8)
             out = np.unpackbits(raw, count=self._n, bitorder="little").astype(np.int64)
             out *= runs[0]
-            return out, depth
+            return out
         raw = np.frombuffer(b"".join([m.to_bytes(nb, "little") for m in masks]), dtype=np.uint8)
         bits = np.unpackbits(raw.reshape(len(masks), nb), axis=1, count=self._n, bitorder="little")
-        return np.asarray(runs, dtype=np.int64) @ bits, depth
+        return np.asarray(runs, dtype=np.int64) @ bits
 
     def _held_run(self, rank: int, hashes: list[int]) -> int:
         lru = self._lru[rank]
