@@ -133,6 +133,7 @@ class IndexMachine(RuleBasedStateMachine):
     def lookup(self, hashes, short):
         want = self.model.hits(hashes)
         assert self.idx.hit_blocks(hashes).tolist() == want
+        assert [self.idx.held_blocks(r, hashes) for r in range(self.idx.num_ranks)] == want
         # A prompt whose last block is partial (or full when short = 0): the hits are clipped.
         total = max(1, len(hashes) * self.bt - min(short, self.bt - 1))
         self.model.hits(hashes)
@@ -295,6 +296,7 @@ def test_statistics_count_events_admissions_and_lookups():
         (lambda i: i.removed(-1, [1]), ValueError, "rank: must be >= 0"),
         (lambda i: i.cleared(True), TypeError, "rank: must be an integer"),
         (lambda i: i.admitted(0.0, [1]), TypeError, "rank"),
+        (lambda i: i.held_blocks(5, [1]), ValueError, "rank: must be <= 1"),
         (lambda i: i.stored(0, [1.5]), TypeError, "block_hashes: must hold integers"),
         (lambda i: i.stored(0, [1, True]), TypeError, "block_hashes: must hold integers"),
         (lambda i: i.stored(0, ["a"]), TypeError, "block_hashes: must hold integers"),

@@ -27,9 +27,9 @@ request.
 Local caches (``--cache local``, :class:`RankCaches`, :class:`LocalPrefixCaches`): every rank
 keeps its own LRU of blocks with the same lookup, tail-first touch and eviction rules, so a
 request's cached tokens depend on the rank it is routed to. They are the router-side index
-:class:`lbkit.prefill.PrefixIndex`, fed by the simulator's admissions and prefill ends. Timing matters there: a request's hit
-blocks are touched on its rank when it is admitted, and its blocks enter that rank's cache only
-when its prefill finishes there.
+:class:`lbkit.prefill.PrefixIndex`, fed by the simulator's admissions and prefill ends. Timing
+matters there: a request's hit blocks are touched on its rank when it is admitted, and its
+blocks enter that rank's cache only when its prefill finishes there.
 """
 
 from __future__ import annotations
@@ -277,6 +277,8 @@ class CacheStatistics:
 
 
 def _block_list(block_ids: Any) -> list[int]:
+    if type(block_ids) is list and all(type(b) is int for b in block_ids):
+        return block_ids
     arr = np.asarray(block_ids)
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise TypeError(
@@ -393,14 +395,12 @@ class RankCaches:
         rank = check_int(rank, "rank", min_value=0, max_value=self.num_ranks - 1)
         ids = _block_list(block_ids)
         upto = check_int(upto, "upto", min_value=0, max_value=len(ids))
-        held = set(self.index.blocks(rank))
-        for j in range(upto):
-            if ids[j] not in held:
-                hit = int(self.index.hit_blocks(ids)[rank])
-                raise ValueError(
-                    f"upto: block {j} (id {ids[j]}) is not cached on rank {rank}; upto must not "
-                    f"exceed the cached prefix ({hit} blocks)"
-                )
+        hit = self.index.held_blocks(rank, ids)
+        if upto > hit:
+            raise ValueError(
+                f"upto: block {hit} (id {ids[hit]}) is not cached on rank {rank}; upto must not "
+                f"exceed the cached prefix ({hit} blocks)"
+            )
         self.index.touch(rank, ids[:upto])
         self._count(rank, len(ids), upto)
 
