@@ -168,19 +168,19 @@ TestIndexMachine = IndexMachine.TestCase
 
 # --- admissions alone keep the index prefix-closed, and match the simulator's global cache ---
 @st.composite
-def chained_requests(draw, max_requests: int = 15) -> list[list[int]]:
-    """Requests whose hashes are chained: each extends a prefix of an earlier one."""
-    requests: list[list[int]] = []
-    fresh = 0
-    for _ in range(draw(st.integers(1, max_requests))):
-        base: list[int] = []
-        if requests and draw(st.booleans()):
-            parent = requests[draw(st.integers(0, len(requests) - 1))]
-            base = parent[: draw(st.integers(0, len(parent)))]
-        extra = draw(st.integers(0 if base else 1, 5))
-        requests.append(base + list(range(fresh, fresh + extra)))
-        fresh += extra
-    return requests
+def chained_requests(draw) -> list[list[int]]:
+    """Requests as root-to-node paths of a random prefix tree (a node's id stands for its path)."""
+    size = draw(st.integers(1, 20))
+    parent = [draw(st.integers(-1, i - 1)) for i in range(size)]  # -1: the first block
+
+    def path(node: int) -> list[int]:
+        out = []
+        while node >= 0:
+            out.append(node)
+            node = parent[node]
+        return out[::-1]
+
+    return [path(n) for n in draw(st.lists(st.integers(0, size - 1), min_size=1, max_size=15))]
 
 
 @given(chained_requests(), st.integers(1, 4), st.one_of(st.none(), st.integers(0, 12)), st.data())
