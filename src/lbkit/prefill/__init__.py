@@ -10,7 +10,9 @@ Pure decision functions (numpy in, indices or NamedTuples out):
   (``lockstep.py``; the balancer's default rule);
 - :func:`plan_chunks`: one step of a rank's FIFO queue under a time budget (``chunking.py``).
 
-:class:`PrefillBalancer` (``balancer.py``) embeds them in a router.
+:class:`PrefillBalancer` (``balancer.py``) embeds them in a router. :class:`PrefixIndex`
+(``prefix_index.py``) gives it the cached prefix tokens of a request on every rank, fed by the
+engines' KV-cache events or by the router's own admissions.
 """
 
 from lbkit.prefill.apportion import (
@@ -34,9 +36,17 @@ from lbkit.prefill.buckets import DEFAULT_EDGES, bucket_of
 from lbkit.prefill.chunking import ChunkPlan, plan_chunks
 from lbkit.prefill.hysteresis import Move, Rebalance, rebalance
 from lbkit.prefill.lockstep import lockstep_rank
+from lbkit.prefill.prefix_index import (
+    BYTES_PER_CACHED_BLOCK,
+    DEFAULT_BLOCK_TOKENS,
+    PrefixIndex,
+    PrefixIndexStatistics,
+)
 from lbkit.prefill.ranks import pick_rank
 
 __all__ = [
+    "BYTES_PER_CACHED_BLOCK",
+    "DEFAULT_BLOCK_TOKENS",
     "DEFAULT_EDGES",
     "DEFAULT_METHOD",
     "METHODS",
@@ -47,6 +57,8 @@ __all__ = [
     "Move",
     "PrefillBalancer",
     "PrefillStatistics",
+    "PrefixIndex",
+    "PrefixIndexStatistics",
     "Rebalance",
     "ReportResult",
     "RoundResult",

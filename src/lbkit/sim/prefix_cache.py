@@ -26,9 +26,10 @@ request.
 
 Local caches (``--cache local``, :class:`RankCaches`, :class:`LocalPrefixCaches`): every rank
 keeps its own LRU of blocks with the same lookup, tail-first touch and eviction rules, so a
-request's cached tokens depend on the rank it is routed to. Timing matters there: a request's hit
-blocks are touched on its rank when it is admitted, and its blocks enter that rank's cache only
-when its prefill finishes there.
+request's cached tokens depend on the rank it is routed to. They are the router-side index
+:class:`lbkit.prefill.PrefixIndex`, fed by the simulator's admissions and prefill ends. Timing
+matters there: a request's hit blocks are touched on its rank when it is admitted, and its
+blocks enter that rank's cache only when its prefill finishes there.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from lbkit.core.validation import as_int_array, check_int
+from lbkit.prefill.prefix_index import BYTES_PER_CACHED_BLOCK, PrefixIndex
 from lbkit.sim.traces import MOONCAKE_BLOCK_TOKENS, Trace
 
 __all__ = [
@@ -206,11 +208,6 @@ DSV3_KV_BYTES_PER_TOKEN = 61 * (512 + 64) * 2
 #: plus 654 B routed-expert parameters over the 32 GPUs of DeepSeek's prefill unit) minus 8 GB of
 #: activations and communication buffers: 35 GB, i.e. 972 blocks of 512 tokens per rank.
 DEFAULT_PREFILL_KV_BYTES = 35 * 10**9
-#: Upper bound on the Python memory per cached (block, rank) pair: an ``OrderedDict`` entry plus
-#: a share of the block-to-ranks dictionary and of the id's int object. Measured with tracemalloc
-#: (``tests/sim/test_rank_caches.py``, 64 ranks): 186 bytes when each block is on one rank, 152 on
-#: two ranks, 125 on eight. The KV itself is not modelled.
-BYTES_PER_CACHED_BLOCK = 200
 
 
 def capacity_blocks_for(
@@ -280,6 +277,8 @@ class CacheStatistics:
 
 
 def _block_list(block_ids: Any) -> list[int]:
+    if type(block_ids) is list and all(type(b) is int for b in block_ids):
+        return block_ids
     arr = np.asarray(block_ids)
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise TypeError(
@@ -297,8 +296,9 @@ class RankCaches:
     prefix-closed and eviction trims prefixes from their end) and the least recently used block
     is evicted when a rank holds more than ``capacity_blocks``.
 
-    Besides the per-rank ``OrderedDict``, a dictionary maps every cached block to the bitmask of
-    ranks holding it, so :meth:`hit_blocks` answers for all ranks in one walk of the prefix.
+    The caches are a :class:`lbkit.prefill.PrefixIndex` (the router-side index, with the same
+    rules), fed by admissions (:meth:`touch`) and finished prefills (:meth:`insert`); this class
+    adds the simulator's lookup counters and names its arguments ``block_ids``.
 
     Parameters
     ----------
@@ -307,13 +307,19 @@ class RankCaches:
     capacity_blocks : int or None
         Blocks each rank can hold (``0`` caches nothing); ``None`` is unbounded. See
         :func:`capacity_blocks_for`.
+    block_tokens : int, default 512
+        Tokens per block (for ``index.hit_tokens``).
+
+    Attributes
+    ----------
+    index : lbkit.prefill.PrefixIndex
+        The caches.
 
     Notes
     -----
     Memory: at most :data:`BYTES_PER_CACHED_BLOCK` (200) bytes of Python objects per cached block
-    and rank. Timing (``benchmarks/bench_sim_cache.py``): :meth:`hit_blocks` of a 30-block prompt
-    at 64 ranks, cached to a different depth on every rank, takes about 16 microseconds (9.7 at
-    8 ranks; touch plus insert of the same prompt: 31 microseconds).
+    and rank. Timing: as :class:`lbkit.prefill.PrefixIndex` (``benchmarks/bench_sim_cache.py``
+    measures :meth:`hit_blocks` and an admission plus insertion at 8 and 64 ranks).
 
     Examples
     --------
@@ -328,29 +334,28 @@ class RankCaches:
     ([2, 1], [1, 0])
     """
 
-    def __init__(self, num_ranks: int, /, *, capacity_blocks: int | None) -> None:
-        self._num_ranks = check_int(num_ranks, "num_ranks", min_value=1)
-        if capacity_blocks is not None:
-            capacity_blocks = check_int(capacity_blocks, "capacity_blocks", min_value=0)
-        self._capacity = capacity_blocks
-        self._lru: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(self._num_ranks)]
-        self._holders: dict[int, int] = {}  # block id -> bitmask of ranks caching it
-        self._all = (1 << self._num_ranks) - 1
-        self._nbytes = (self._num_ranks + 7) // 8
-        self._counts = np.zeros((5, self._num_ranks), dtype=np.int64)
+    def __init__(
+        self,
+        num_ranks: int,
+        /,
+        *,
+        capacity_blocks: int | None,
+        block_tokens: int = MOONCAKE_BLOCK_TOKENS,
+    ) -> None:
+        self.index = PrefixIndex(
+            num_ranks, block_tokens=block_tokens, capacity_blocks=capacity_blocks
+        )
+        self._counts = np.zeros((3, self.index.num_ranks), dtype=np.int64)
 
     @property
     def num_ranks(self) -> int:
         """Number of ranks."""
-        return self._num_ranks
+        return self.index.num_ranks
 
     @property
     def capacity_blocks(self) -> int | None:
         """Blocks per rank (``None``: unbounded)."""
-        return self._capacity
-
-    def _rank(self, rank: Any) -> int:
-        return check_int(rank, "rank", min_value=0, max_value=self._num_ranks - 1)
+        return self.index.capacity_blocks
 
     def hit_blocks(self, block_ids: Any, /) -> np.ndarray:
         """Longest cached prefix of ``block_ids`` on every rank.
@@ -365,50 +370,9 @@ class RankCaches:
         ndarray of int64, shape (num_ranks,)
             Number of leading blocks cached on each rank (no LRU update).
 
-        Runtime complexity: O(m) dictionary look-ups plus O(k * num_ranks) numpy work for the
-        ``k <= m`` distinct rank sets met along the prefix.
+        Runtime complexity: as :meth:`lbkit.prefill.PrefixIndex.hit_blocks`.
         """
-        return self._hits(_block_list(block_ids))
-
-    def _hits(self, ids: list[int]) -> np.ndarray:
-        holders = self._holders
-        mask = self._all
-        count = 0
-        runs_mask: list[int] = []
-        runs_count: list[int] = []
-        for b in ids:
-            m = mask & holders.get(b, 0)
-            if m != mask:
-                if count:
-                    runs_mask.append(mask)
-                    runs_count.append(count)
-                    count = 0
-                mask = m
-                if not m:
-                    break
-            count += 1
-        if count:
-            runs_mask.append(mask)
-            runs_count.append(count)
-        if not runs_mask:
-            return np.zeros(self._num_ranks, dtype=np.int64)
-        nbytes = self._nbytes
-        raw = b"".join(m.to_bytes(nbytes, "little") for m in runs_mask)
-        bits = np.unpackbits(
-            np.frombuffer(raw, dtype=np.uint8).reshape(len(runs_mask), nbytes),
-            axis=1,
-            bitorder="little",
-        )[:, : self._num_ranks]
-        return np.asarray(runs_count, dtype=np.int64) @ bits
-
-    def _hit_on(self, rank: int, ids: list[int]) -> int:
-        lru = self._lru[rank]
-        hit = 0
-        for b in ids:
-            if b not in lru:
-                break
-            hit += 1
-        return hit
+        return self.index.hit_blocks(_block_list(block_ids))
 
     def touch(self, rank: int, block_ids: Any, upto: int, /) -> None:
         """Admission on ``rank``: make its ``upto`` hit blocks most recently used, tail first.
@@ -426,28 +390,25 @@ class RankCaches:
             Hit blocks to touch, ``0 <= upto <= m``; ``block_ids[:upto]`` must be cached on
             ``rank`` (usually ``hit_blocks(block_ids)[rank]``).
 
-        Runtime complexity: O(upto).
+        Runtime complexity: O(m).
         """
-        rank = self._rank(rank)
+        rank = check_int(rank, "rank", min_value=0, max_value=self.num_ranks - 1)
         ids = _block_list(block_ids)
         upto = check_int(upto, "upto", min_value=0, max_value=len(ids))
-        lru = self._lru[rank]
-        for j in range(upto):
-            if ids[j] not in lru:
-                raise ValueError(
-                    f"upto: block {j} (id {ids[j]}) is not cached on rank {rank}; upto must not "
-                    f"exceed the cached prefix ({self._hit_on(rank, ids)} blocks)"
-                )
-        self._touch(rank, ids, upto)
+        hit = self.index.held_blocks(rank, ids)
+        if upto > hit:
+            raise ValueError(
+                f"upto: block {hit} (id {ids[hit]}) is not cached on rank {rank}; upto must not "
+                f"exceed the cached prefix ({hit} blocks)"
+            )
+        self.index.touch(rank, ids[:upto])
+        self._count(rank, len(ids), upto)
 
-    def _touch(self, rank: int, ids: list[int], upto: int) -> None:
-        move = self._lru[rank].move_to_end
-        for j in range(upto - 1, -1, -1):
-            move(ids[j])
+    def _count(self, rank: int, blocks: int, hit: int) -> None:
         counts = self._counts
         counts[0, rank] += 1
-        counts[1, rank] += len(ids)
-        counts[2, rank] += upto
+        counts[1, rank] += blocks
+        counts[2, rank] += hit
 
     def insert(self, rank: int, block_ids: Any, /) -> None:
         """Cache all of ``block_ids`` on ``rank`` (a prefill finished there), tail first.
@@ -464,38 +425,14 @@ class RankCaches:
 
         Runtime complexity: O(m).
         """
-        self._insert(self._rank(rank), _block_list(block_ids))
-
-    def _insert(self, rank: int, ids: list[int]) -> None:
-        lru = self._lru[rank]
-        holders = self._holders
-        bit = 1 << rank
-        capacity = self._capacity
-        inserted = evicted = 0
-        for b in reversed(ids):
-            if b in lru:
-                lru.move_to_end(b)
-                continue
-            lru[b] = None
-            holders[b] = holders.get(b, 0) | bit
-            inserted += 1
-            if capacity is not None and len(lru) > capacity:
-                old, _ = lru.popitem(last=False)
-                rest = holders[old] & ~bit
-                if rest:
-                    holders[old] = rest
-                else:
-                    del holders[old]
-                evicted += 1
-        self._counts[3, rank] += inserted
-        self._counts[4, rank] += evicted
+        self.index.stored(rank, _block_list(block_ids))
 
     def cached(self, rank: int, /) -> list[int]:
         """Block ids cached on ``rank``, least recently used first.
 
         Runtime complexity: O(cached blocks).
         """
-        return list(self._lru[self._rank(rank)])
+        return self.index.blocks(rank)
 
     def statistics(self) -> CacheStatistics:
         """Counters per rank (copies).
@@ -503,19 +440,13 @@ class RankCaches:
         Runtime complexity: O(num_ranks).
         """
         c = self._counts.copy()
-        sizes = np.array([len(lru) for lru in self._lru], dtype=np.int64)
-        return CacheStatistics(c[0], c[1], c[2], c[3], c[4], sizes)
+        s = self.index.statistics()
+        return CacheStatistics(c[0], c[1], c[2], s.inserted, s.evictions, s.cached_blocks)
 
     def _check(self) -> None:
         """Assert the internal invariants (for tests)."""
-        total = 0
-        for r, lru in enumerate(self._lru):
-            assert self._capacity is None or len(lru) <= self._capacity
-            for b in lru:
-                assert self._holders[b] >> r & 1
-            total += len(lru)
-        assert total == sum(m.bit_count() for m in self._holders.values())
-        assert all(0 < m <= self._all for m in self._holders.values())
+        self.index._check()
+        assert (self._counts >= 0).all() and (self._counts[2] <= self._counts[1]).all()
 
 
 def _check_trace_blocks(trace: Any, block_tokens: int) -> None:
@@ -585,12 +516,15 @@ class LocalPrefixCaches:
     ) -> None:
         block_tokens = check_int(block_tokens, "block_tokens", min_value=1)
         _check_trace_blocks(trace, block_tokens)
-        self.caches = RankCaches(num_ranks, capacity_blocks=capacity_blocks)
+        self.caches = RankCaches(
+            num_ranks, capacity_blocks=capacity_blocks, block_tokens=block_tokens
+        )
+        self._index = self.caches.index
         self._block_tokens = block_tokens
         self._n = len(trace)
         self._flat: list[int] = trace.hash_ids.tolist()
         self._bounds: list[int] = trace.hash_offsets.tolist()
-        self._max_cached = (trace.total_tokens - 1).tolist()
+        self._total: list[int] = trace.total_tokens.tolist()
         self._cached = np.zeros(self._n, dtype=np.int64)
         self._ranks = np.full(self._n, -1, dtype=np.int64)
 
@@ -607,10 +541,9 @@ class LocalPrefixCaches:
         ndarray of int64, shape (num_ranks,)
             ``min(hit_blocks * block_tokens, total_tokens - 1)``.
 
-        Runtime complexity: as :meth:`RankCaches.hit_blocks`.
+        Runtime complexity: as :meth:`lbkit.prefill.PrefixIndex.hit_tokens`.
         """
-        hits = self.caches._hits(self._ids(request)) * self._block_tokens
-        return np.minimum(hits, self._max_cached[request], out=hits)
+        return self._index.hit_tokens(self._ids(request), self._total[request])
 
     def admitted(self, request: int, rank: int, /) -> None:
         """``request`` was routed to ``rank``: record its hit and touch its hit blocks there.
@@ -618,10 +551,9 @@ class LocalPrefixCaches:
         Runtime complexity: O(blocks of the request).
         """
         ids = self._ids(request)
-        rank = self.caches._rank(rank)
-        hit = self.caches._hit_on(rank, ids)
-        self.caches._touch(rank, ids, hit)
-        self._cached[request] = min(hit * self._block_tokens, self._max_cached[request])
+        hit = self._index.touch(rank, ids)
+        self.caches._count(rank, len(ids), hit)
+        self._cached[request] = min(hit * self._block_tokens, self._total[request] - 1)
         self._ranks[request] = rank
 
     def finished(self, request: int, rank: int, /) -> None:
@@ -629,8 +561,7 @@ class LocalPrefixCaches:
 
         Runtime complexity: O(blocks of the request).
         """
-        ids = self._ids(request)
-        self.caches._insert(self.caches._rank(rank), ids)
+        self._index.stored(rank, self._ids(request))
 
     @property
     def cached_tokens(self) -> np.ndarray:
