@@ -10,7 +10,12 @@ Pure decision functions (numpy in, indices or NamedTuples out):
   (``lockstep.py``; the balancer's default rule);
 - :func:`plan_chunks`: one step of a rank's FIFO queue under a time budget (``chunking.py``).
 
-:class:`PrefillBalancer` (``balancer.py``) embeds them in a router.
+:class:`PrefillBalancer` (``balancer.py``) embeds them in a router, configured by three frozen
+option objects (``options.py``): :class:`RankChoice` (the rank-choice rule), :class:`Buckets`
+(length buckets and engine bounds) and :class:`Rounds` (re-planning of engines). Its parts:
+``ledger.py`` (requests and per-rank sums), ``choice.py`` (the rank-choice rules),
+``results.py`` (what its methods return), ``persistence.py`` (saved states) and ``legacy.py``
+(the old keyword options).
 """
 
 from lbkit.prefill.apportion import (
@@ -21,35 +26,40 @@ from lbkit.prefill.apportion import (
     bottleneck,
     serving_buckets,
 )
-from lbkit.prefill.balancer import (
+from lbkit.prefill.balancer import PrefillBalancer
+from lbkit.prefill.buckets import DEFAULT_EDGES, bucket_of
+from lbkit.prefill.chunking import ChunkPlan, plan_chunks
+from lbkit.prefill.hysteresis import Move, Rebalance, rebalance
+from lbkit.prefill.lockstep import lockstep_rank
+from lbkit.prefill.options import RANK_RULES, Buckets, RankChoice, Rounds
+from lbkit.prefill.ranks import pick_rank
+from lbkit.prefill.results import (
     REASONS,
     EnginePlan,
-    PrefillBalancer,
     PrefillStatistics,
     ReportResult,
     RoundResult,
     RouteDecision,
 )
-from lbkit.prefill.buckets import DEFAULT_EDGES, bucket_of
-from lbkit.prefill.chunking import ChunkPlan, plan_chunks
-from lbkit.prefill.hysteresis import Move, Rebalance, rebalance
-from lbkit.prefill.lockstep import lockstep_rank
-from lbkit.prefill.ranks import pick_rank
 
 __all__ = [
     "DEFAULT_EDGES",
     "DEFAULT_METHOD",
     "METHODS",
+    "RANK_RULES",
     "REASONS",
     "Allocation",
+    "Buckets",
     "ChunkPlan",
     "EnginePlan",
     "Move",
     "PrefillBalancer",
     "PrefillStatistics",
+    "RankChoice",
     "Rebalance",
     "ReportResult",
     "RoundResult",
+    "Rounds",
     "RouteDecision",
     "allocate_engines",
     "bottleneck",
