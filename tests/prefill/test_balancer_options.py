@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 
 import numpy as np
 import pytest
@@ -10,15 +11,30 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lbkit.core import PRESETS
-from lbkit.prefill import PrefillBalancer, allocate_engines
+from lbkit.prefill import Buckets, PrefillBalancer, RankChoice, Rounds, allocate_engines
 
 UNIT = PRESETS["unit"].prefill
 EDGES = (100, 400)
 
 
 def make(**kw):
+    """A balancer on ``UNIT`` from flat option fields grouped into the option objects (rounds:
+    ordinary, no cold start or drain limit unless given; the rank rule only if ``rule=``)."""
     args = {"cost": UNIT, "edges": EDGES, "min_dwell_s": 0.0} | kw
-    return PrefillBalancer(args.pop("num_engines", 4), args.pop("ranks", 2), **args)
+    return balancer(args.pop("num_engines", 4), args.pop("ranks", 2), **args)
+
+
+def balancer(num_engines, ranks, *, cost, rng=None, **flat):
+    groups = {}
+    for cls in (RankChoice, Buckets, Rounds):
+        names = {f.name for f in fields(cls)}
+        groups[cls] = {k: flat.pop(k) for k in list(flat) if k in names}
+    assert not flat, f"unknown option fields {sorted(flat)}"
+    rounds = {"cold_start_s": None, "max_drain_s": None} | groups[Rounds]
+    return PrefillBalancer(
+        num_engines, ranks, cost=cost, rng=rng, choice=RankChoice(**groups[RankChoice]),
+        buckets=Buckets(**groups[Buckets]), rounds=Rounds(**rounds),
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------- cold start
@@ -82,7 +98,7 @@ def test_max_drain_keeps_engines_that_hold_long_work():
 
 # --------------------------------------------------------------------------- engine-aware
 def test_wake_penalty_fills_the_idle_ranks_of_a_busy_engine_first():
-    bal = make(initial_engines=[4, 0, 0], wake_penalty_s=60.0)
+    bal = make(initial_engines=[4, 0, 0], wake_penalty_s=60.0, rule="least_load")
     at = [bal.route(i, 50, 0, now_s=0.0)[:2] for i in range(5)]
     # quota(50) = 51.25 s: the second request takes engine 0's idle rank; the third and fourth
     # queue behind 51.25 s there, which beats waking engine 1 (0 + 60 s); the fifth would queue
@@ -112,8 +128,8 @@ def _oracle(loads, candidates, ranks, wake):
     wake=st.sampled_from([0.0, 5.0, 60.0, 1e6]),
 )  # fmt: skip
 def test_engine_aware_choice_matches_the_brute_force_oracle(ops, wake):
-    bal = make(initial_engines=[2, 1, 1], wake_penalty_s=wake)
-    plain = make(initial_engines=[2, 1, 1], rank_rule="least_load")
+    bal = make(initial_engines=[2, 1, 1], wake_penalty_s=wake, rule="least_load")
+    plain = make(initial_engines=[2, 1, 1], rule="least_load")
     live = []
     for i, (total, finish, pick) in enumerate(ops):
         if finish and live:
@@ -196,7 +212,7 @@ def test_record_validates_the_whole_batch_before_applying_any(args, exc, match):
     [
         ({"cold_start_s": 0.0}, "cold_start_s: must be > 0.0"),
         ({"max_drain_s": -1.0}, "max_drain_s: must be >= 0.0"),
-        ({"wake_penalty_s": float("nan")}, "wake_penalty_s: must not be NaN"),
+        ({"wake_penalty_s": float("nan"), "rule": "least_load"}, "wake_penalty_s: must not be NaN"),
     ],
 )
 def test_bad_options(kwargs, match):
