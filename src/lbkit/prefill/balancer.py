@@ -53,7 +53,6 @@ from lbkit.core.validation import as_int_array, as_rng, check_int
 from lbkit.prefill.apportion import allocate_engines, serving_buckets
 from lbkit.prefill.choice import RankChooser, layout
 from lbkit.prefill.chunking import ChunkPlan, plan_chunks
-from lbkit.prefill.hysteresis import rebalance
 from lbkit.prefill.ledger import Ledger, Request, as_request_id, as_time, as_tokens
 from lbkit.prefill.legacy import from_keywords
 from lbkit.prefill.options import Buckets, RankChoice, Rounds
@@ -71,6 +70,7 @@ from lbkit.prefill.results import (
     RoundResult,
     RouteDecision,
 )
+from lbkit.prefill.rounds import replan, smoothed_demand
 
 __all__ = ["PrefillBalancer"]
 
@@ -523,41 +523,14 @@ class PrefillBalancer:
             raise ValueError(
                 f"now_s: must be after the start of the round ({self._round_start}), got {now}"
             )
-        rate = np.asarray(self._round_quota) / elapsed
-        if self._counts["rounds"] == 0:
-            self._demand = rate
-        else:
-            alpha = self._rounds.ema_alpha
-            self._demand = alpha * rate + (1.0 - alpha) * self._demand
-        bucket = np.where(self._state == OUT, -1, self._home)
-        in_service = int((bucket >= 0).sum())
-        r = self._ranks
-        flat = self.rank_loads().reshape(self._num_engines, r)
-        engine_load = flat.sum(axis=1)
-        movable = self._state == ACTIVE
-        if self._rounds.max_drain_s is not None:
-            movable &= flat.max(axis=1) <= self._rounds.max_drain_s
-        cold = self._rounds.cold_start_s is not None and self._counts["rounds"] == 0
-        result = None
-        if in_service:
-            kwargs = dict(
-                now_s=now,
-                last_move_s=self._last_move,
-                movable=movable,
-                engine_load=np.maximum(engine_load, 0.0),
-                deadband=self._rounds.deadband,
-                max_moves=self._num_engines if cold else self._rounds.max_moves,
-                min_dwell_s=self._rounds.min_dwell_s,
-                method=self._rounds.method,
-                force=cold,
-            )
-            try:
-                result = rebalance(
-                    bucket, self._demand, min_engines=self._min_engines,
-                    max_engines=self._max_engines, **kwargs,
-                )  # fmt: skip
-            except ValueError:  # bounds infeasible with the engines now in service
-                result = rebalance(bucket, self._demand, **kwargs)
+        first = self._counts["rounds"] == 0
+        self._demand = smoothed_demand(self._rounds, self._demand, self._round_quota, elapsed,
+                                       first)  # fmt: skip
+        loads = self.rank_loads().reshape(self._num_engines, self._ranks)
+        result = replan(self._rounds, self._home, self._state, self._last_move, loads,
+                        self._demand, now_s=now, first=first, min_engines=self._min_engines,
+                        max_engines=self._max_engines)  # fmt: skip
+        if result is not None:
             for mv in result.moves:
                 self._home[mv.engine] = mv.to_bucket
                 self._last_move[mv.engine] = now
@@ -685,37 +658,13 @@ class PrefillBalancer:
         if seq <= self._seq[engine]:
             self._counts["reports_stale"] += 1
             return ReportResult(False, 0.0, (), ())
-        r = self._ranks
-        ranks = range(engine * r, engine * r + r)
-        known: list[tuple[Request, int]] = []
-        unknown: list[Hashable] = []
-        for rid, tokens in progress.items():
-            req = self._ledger.requests.get(rid) if isinstance(rid, (int, str)) else None
-            if req is None or req.rank not in ranks:
-                unknown.append(rid)
-                continue
-            tokens = as_tokens(tokens, f"progress[{rid!r}]")
-            if tokens > req.total - req.cached:
-                raise ValueError(
-                    f"progress[{rid!r}]: must be <= the request's uncached tokens "
-                    f"({req.total - req.cached}), got {tokens}"
-                )
-            known.append((req, tokens))
+        known, unknown = self._ledger.reported(engine, progress)
         self._seq[engine] = seq
-        drift = 0.0
-        for req, tokens in known:
-            reported = self._ledger.quota(req.total - req.cached - tokens, req.cached + tokens)
-            drift += abs(req.quota - reported)
-            if tokens > req.done:
-                self._ledger.advance(req, tokens)
-        seen = {id(req) for req, _ in known}
-        missing = tuple(
-            rid for f in ranks for rid, req in self._ledger.queues[f].items() if id(req) not in seen
-        )
+        drift, missing = self._ledger.reconcile(engine, known)
         self._counts["reports_accepted"] += 1
         self._drift_last = drift
         self._drift_max = max(self._drift_max, drift)
-        return ReportResult(True, drift, tuple(unknown), missing)
+        return ReportResult(True, drift, unknown, missing)
 
     # ------------------------------------------------------------------ planning
     def plan_engine(

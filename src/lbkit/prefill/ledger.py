@@ -32,7 +32,7 @@ True
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 from typing import Any
 
 import numpy as np
@@ -263,6 +263,55 @@ class Ledger:
         for f in touched:
             self.resum(f)
         return n_fin, touched
+
+    def reported(
+        self, engine: int, progress: Mapping[Hashable, int]
+    ) -> tuple[list[tuple[Request, int]], tuple[Hashable, ...]]:
+        """Validate an engine's report of cumulative prefilled tokens per request id.
+
+        Returns the requests of the ledger on ``engine`` with their reported tokens, and the
+        reported ids the ledger does not hold there (``ValueError`` naming ``progress[id]``
+        for tokens outside ``[0, uncached tokens]``; nothing changes).
+        """
+        r = self.ranks
+        ranks = range(engine * r, engine * r + r)
+        known: list[tuple[Request, int]] = []
+        unknown: list[Hashable] = []
+        for rid, toks in progress.items():
+            req = self.requests.get(rid) if isinstance(rid, (int, str)) else None
+            if req is None or req.rank not in ranks:
+                unknown.append(rid)
+                continue
+            toks = as_tokens(toks, f"progress[{rid!r}]")
+            if toks > req.total - req.cached:
+                raise ValueError(
+                    f"progress[{rid!r}]: must be <= the request's uncached tokens "
+                    f"({req.total - req.cached}), got {toks}"
+                )
+            known.append((req, toks))
+        return known, tuple(unknown)
+
+    def reconcile(
+        self, engine: int, known: list[tuple[Request, int]]
+    ) -> tuple[float, tuple[Hashable, ...]]:
+        """Apply reported progress (forward only) of ``engine``'s requests (from
+        :meth:`reported`); return the drift, seconds (sum of ``|ledger remaining quota -
+        reported remaining quota|`` before), and the ids held there that were not reported."""
+        drift = 0.0
+        for req, toks in known:
+            reported = self.quota(req.total - req.cached - toks, req.cached + toks)
+            drift += abs(req.quota - reported)
+            if toks > req.done:
+                self.advance(req, toks)
+        seen = {id(req) for req, _ in known}
+        r = self.ranks
+        missing = tuple(
+            rid
+            for f in range(engine * r, engine * r + r)
+            for rid, req in self.queues[f].items()
+            if id(req) not in seen
+        )
+        return drift, missing
 
     def check(self, bucket_of: Any) -> None:
         """Assert the ledger's invariants (for tests); ``bucket_of(total)`` gives a bucket."""
