@@ -21,7 +21,7 @@ Examples
 >>> from lbkit.core import PRESETS
 >>> led = Ledger(2, 2, PRESETS["unit"].prefill)
 >>> led.add(Request("a", 1, 0, 100, 0, 0, led.quota(100, 0)))
->>> led.rank_loads()[1] == led.quota(100, 0)
+>>> float(led.rank_loads()[1]) == led.quota(100, 0)
 True
 >>> led.record(["a"], [100], [True])
 (1, {1})
