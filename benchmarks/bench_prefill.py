@@ -17,7 +17,16 @@ import pytest
 
 import lbkit
 from lbkit.core import PRESETS
-from lbkit.prefill import PrefillBalancer, allocate_engines, pick_rank, plan_chunks, rebalance
+from lbkit.prefill import (
+    DEFAULT_EDGES,
+    Buckets,
+    PrefillBalancer,
+    RankChoice,
+    allocate_engines,
+    pick_rank,
+    plan_chunks,
+    rebalance,
+)
 
 COST = PRESETS["h800_dsv3"].prefill
 ROUNDS, ITERATIONS = 30, 1000  # 30k routed requests per benchmark: the ledger stays small
@@ -28,20 +37,21 @@ def _warm():
     lbkit.warmup(packages=("prefill",))
 
 
-#: Rank-choice options of the routing benchmark: the default lockstep rule (what the simulator's
-#: ``lbkit`` policy runs), the plain least quota load, the least quota load with a wake penalty
-#: and hole filling, and the choice by engine for context-parallel engines.
+#: Rank-choice options of the routing benchmark: the plain least quota load, the engine-aware
+#: choice of the simulator's ``lbkit`` policy (wake penalty and hole filling), and the choice by
+#: engine for context-parallel engines.
 OPTIONS = {
-    "plain": {},
-    "least_load": {"rank_rule": "least_load"},
-    "engine_aware": {"wake_penalty_s": 1.0, "fill_holes": True},
-    "context_parallel": {"context_parallel": True},
+    "default": RankChoice(),
+    "plain": RankChoice(rule="least_load"),
+    "engine_aware": RankChoice(rule="least_load", wake_penalty_s=1.0, fill_holes=True),
+    "context_parallel": RankChoice(rule="engine_mean"),
 }
 
 
-def _pool(ranks: int, **options) -> PrefillBalancer:
+def _pool(ranks: int, choice: RankChoice | None = None) -> PrefillBalancer:
     """One bucket's engines holding all ``ranks`` ranks (4 per engine), with a warm ledger."""
-    bal = PrefillBalancer(ranks // 4, 4, cost=COST, **options)
+    buckets = Buckets(edges=DEFAULT_EDGES, initial_engines=(ranks // 4, 0, 0, 0))
+    bal = PrefillBalancer(ranks // 4, 4, cost=COST, choice=choice, buckets=buckets)
     rng = np.random.default_rng(0)
     for i in range(4 * ranks):
         bal.route(f"w{i}", int(rng.integers(256, 16000)), 0, now_s=0.0)
@@ -51,7 +61,7 @@ def _pool(ranks: int, **options) -> PrefillBalancer:
 @pytest.mark.parametrize("options", list(OPTIONS))
 @pytest.mark.parametrize("ranks", [64])
 def bench_route(benchmark, ranks, options):
-    bal = _pool(ranks, **OPTIONS[options])
+    bal = _pool(ranks, OPTIONS[options])
     ids = itertools.count()
 
     def route():
@@ -66,7 +76,7 @@ def bench_route(benchmark, ranks, options):
 @pytest.mark.parametrize("ranks", [64])
 def bench_route_per_rank_cache(benchmark, ranks):
     # The default rule given the request's cached tokens on every rank (local prefix caches).
-    bal = _pool(ranks)
+    bal = _pool(ranks, RankChoice())
     ids = itertools.count()
     hits = (np.random.default_rng(1).integers(0, 16, size=ranks) * 512).astype(np.int64)
 

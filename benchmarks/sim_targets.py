@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from lbkit.core import PRESETS
@@ -158,8 +159,11 @@ def _wake_sweep(name, trace, u):
     rows = []
     for eng in ("off", "level", "split"):
         for wake in WAKE_PENALTIES:
+            # the wake penalty refines the least-load rule (split: the engine-mean rule)
             base = LBKIT_CP_OPTIONS if eng == "split" else LBKIT_OPTIONS
-            pol = LbkitPrefill(16, 4, cost=cost, rng=0, **{**base, "wake_penalty_s": wake})
+            rule = base["choice"].rule if eng == "split" else "least_load"
+            choice = replace(base["choice"], rule=rule, wake_penalty_s=wake)
+            pol = LbkitPrefill(16, 4, cost=cost, rng=0, **{**base, "choice": choice})
             m = prefill_metrics(simulate_prefill(scaled, pol, num_engines=16, ranks_per_engine=4,
                                                  cost=cost, rng=0, work_sharing=eng))  # fmt: skip
             rows.append([name, u, eng, wake, round(m["balance_efficiency"], 4),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import fields
 
 import numpy as np
 import pytest
@@ -11,15 +12,30 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lbkit.core import PRESETS, QuadraticCost
-from lbkit.prefill import DEFAULT_EDGES, PrefillBalancer, bucket_of
+from lbkit.prefill import DEFAULT_EDGES, Buckets, PrefillBalancer, RankChoice, Rounds, bucket_of
 
 UNIT = PRESETS["unit"].prefill
 EDGES = (100, 400)
 
 
 def make(**kw):
+    """A balancer on ``UNIT`` from flat option fields grouped into the option objects (rounds:
+    ordinary, no cold start or drain limit unless given; the rank rule only if ``rule=``)."""
     args = {"cost": UNIT, "edges": EDGES, "initial_engines": [2, 1, 1], "min_dwell_s": 0.0} | kw
-    return PrefillBalancer(args.pop("num_engines", 4), args.pop("ranks", 2), **args)
+    return balancer(args.pop("num_engines", 4), args.pop("ranks", 2), **args)
+
+
+def balancer(num_engines, ranks, *, cost, rng=None, **flat):
+    groups = {}
+    for cls in (RankChoice, Buckets, Rounds):
+        names = {f.name for f in fields(cls)}
+        groups[cls] = {k: flat.pop(k) for k in list(flat) if k in names}
+    assert not flat, f"unknown option fields {sorted(flat)}"
+    rounds = {"cold_start_s": None, "max_drain_s": None} | groups[Rounds]
+    return PrefillBalancer(
+        num_engines, ranks, cost=cost, rng=rng, choice=RankChoice(**groups[RankChoice]),
+        buckets=Buckets(**groups[Buckets]), rounds=Rounds(**rounds),
+    )  # fmt: skip
 
 
 def candidates(bal, bucket):
@@ -36,7 +52,7 @@ def candidates(bal, bucket):
 
 
 def test_route_takes_the_least_loaded_rank_of_the_bucket_lowest_index_on_ties():
-    bal = make(rank_rule="least_load")
+    bal = make(rule="least_load")
     rng = np.random.default_rng(1)
     for i in range(60):
         total = int(rng.integers(1, 800))
@@ -241,7 +257,7 @@ def test_plan_engine_drives_the_queue_to_completion():
 
 def test_spill_over_to_a_much_less_loaded_neighbour():
     bal = make(
-        num_engines=2, ranks=1, initial_engines=[1, 1, 0], spill_ratio=2.0, rank_rule="least_load"
+        num_engines=2, ranks=1, initial_engines=[1, 1, 0], spill_ratio=2.0, rule="least_load"
     )
     bal.route("a", 90, 0, now_s=0.0)
     d = bal.route("b", 90, 0, now_s=0.0)
@@ -253,8 +269,8 @@ def test_spill_over_to_a_much_less_loaded_neighbour():
 
 
 def test_sampling_is_seeded():
-    a = make(num_engines=4, ranks=8, initial_engines=[4, 0, 0], sample=2, rng=7)
-    b = make(num_engines=4, ranks=8, initial_engines=[4, 0, 0], sample=2, rng=7)
+    a = make(num_engines=4, ranks=8, initial_engines=[4, 0, 0], sample=2, rng=7, rule="least_load")
+    b = make(num_engines=4, ranks=8, initial_engines=[4, 0, 0], sample=2, rng=7, rule="least_load")
     da = [a.route(i, 50, 0, now_s=0.0) for i in range(50)]
     db = [b.route(i, 50, 0, now_s=0.0) for i in range(50)]
     assert da == db
@@ -336,7 +352,7 @@ def test_more_load_on_a_rank_never_attracts_the_next_request(seed, total, extra)
 @given(seed=st.integers(0, 10**6), cut=st.integers(0, 120))
 def test_state_dict_round_trip_continues_identically(seed, cut):
     ops = _ops(seed)
-    a = make(sample=2, rng=3)
+    a = make(sample=2, rng=3, rule="least_load")
     _replay(a, ops[:cut])
     b = PrefillBalancer.from_state_dict(json.loads(json.dumps(a.state_dict())))
     assert b.statistics() == a.statistics()
@@ -352,7 +368,7 @@ def test_from_state_dict_rejects_bad_states():
     bal.route(1, 50, 0, now_s=0.0)
     sd = bal.state_dict()
     sd["state"]["rank_load"][0] += 5.0
-    with pytest.raises(ValueError, match="state: inconsistent state"):
+    with pytest.raises(ValueError, match="state.rank_load: rank 0 has load"):
         PrefillBalancer.from_state_dict(sd)
 
 
@@ -425,17 +441,17 @@ def test_bad_input_raises_and_changes_nothing(method, args, kwargs, exc, match):
         ((4, 2), {"initial_engines": [1, 1, 1]}, ValueError, "initial_engines: must sum to"),
         ((4, 2), {"min_engines": [3, 3, 0]}, ValueError, "min_engines: the minimums need 6"),
         ((4, 2), {"spill_ratio": 0.5}, ValueError, "spill_ratio: must be >= 1.0"),
-        ((4, 2), {"sample": 0}, ValueError, "sample: must be >= 1"),
+        ((4, 2), {"sample": 0, "rule": "least_load"}, ValueError, "sample: must be >= 1"),
     ],
 )
 def test_bad_construction(args, kwargs, exc, match):
     kw = {"cost": UNIT, "edges": EDGES} | kwargs
     with pytest.raises(exc, match=match):
-        PrefillBalancer(*args, **kw)
+        balancer(*args, **kw)
 
 
 def test_default_pool_spreads_engines_and_serves_every_bucket():
-    bal = PrefillBalancer(16, 4, cost=PRESETS["h800_dsv3"].prefill, edges=DEFAULT_EDGES)
+    bal = balancer(16, 4, cost=PRESETS["h800_dsv3"].prefill, edges=DEFAULT_EDGES)
     st_ = bal.statistics()
     assert st_.bucket_engines == (4, 4, 4, 4) and st_.bucket_server == (0, 1, 2, 3)
     assert len(st_.rank_load) == 64 and math.fsum(st_.rank_load) == 0.0

@@ -10,15 +10,18 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lbkit.core import PRESETS
-from lbkit.prefill import PrefillBalancer, allocate_engines
+from lbkit.prefill import Buckets, PrefillBalancer, RankChoice, Rounds, allocate_engines
 
 UNIT = PRESETS["unit"].prefill
 EDGES = (100, 400)
 
 
-def make(**kw):
-    args = {"cost": UNIT, "edges": EDGES, "min_dwell_s": 0.0} | kw
-    return PrefillBalancer(args.pop("num_engines", 4), args.pop("ranks", 2), **args)
+def make(*, initial_engines=None, max_engines=None, choice=None, **rounds):
+    """Four engines of two ranks on ``UNIT`` and ``EDGES``; ordinary rounds (no cold start or
+    drain limit, no dwell time) unless ``rounds`` fields say otherwise."""
+    buckets = Buckets(edges=EDGES, initial_engines=initial_engines, max_engines=max_engines)
+    rounds = {"min_dwell_s": 0.0, "cold_start_s": None, "max_drain_s": None} | rounds
+    return PrefillBalancer(4, 2, cost=UNIT, choice=choice, buckets=buckets, rounds=Rounds(**rounds))
 
 
 # --------------------------------------------------------------------------- cold start
@@ -82,7 +85,7 @@ def test_max_drain_keeps_engines_that_hold_long_work():
 
 # --------------------------------------------------------------------------- engine-aware
 def test_wake_penalty_fills_the_idle_ranks_of_a_busy_engine_first():
-    bal = make(initial_engines=[4, 0, 0], wake_penalty_s=60.0)
+    bal = make(initial_engines=[4, 0, 0], choice=RankChoice(rule="least_load", wake_penalty_s=60.0))
     at = [bal.route(i, 50, 0, now_s=0.0)[:2] for i in range(5)]
     # quota(50) = 51.25 s: the second request takes engine 0's idle rank; the third and fourth
     # queue behind 51.25 s there, which beats waking engine 1 (0 + 60 s); the fifth would queue
@@ -112,8 +115,8 @@ def _oracle(loads, candidates, ranks, wake):
     wake=st.sampled_from([0.0, 5.0, 60.0, 1e6]),
 )  # fmt: skip
 def test_engine_aware_choice_matches_the_brute_force_oracle(ops, wake):
-    bal = make(initial_engines=[2, 1, 1], wake_penalty_s=wake)
-    plain = make(initial_engines=[2, 1, 1], rank_rule="least_load")
+    bal = make(initial_engines=[2, 1, 1], choice=RankChoice(rule="least_load", wake_penalty_s=wake))
+    plain = make(initial_engines=[2, 1, 1], choice=RankChoice(rule="least_load"))
     live = []
     for i, (total, finish, pick) in enumerate(ops):
         if finish and live:
@@ -192,13 +195,14 @@ def test_record_validates_the_whole_batch_before_applying_any(args, exc, match):
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "match"),
+    ("cls", "kwargs", "match"),
     [
-        ({"cold_start_s": 0.0}, "cold_start_s: must be > 0.0"),
-        ({"max_drain_s": -1.0}, "max_drain_s: must be >= 0.0"),
-        ({"wake_penalty_s": float("nan")}, "wake_penalty_s: must not be NaN"),
+        (Rounds, {"cold_start_s": 0.0}, "cold_start_s: must be > 0.0"),
+        (Rounds, {"max_drain_s": -1.0}, "max_drain_s: must be >= 0.0"),
+        (RankChoice, {"wake_penalty_s": float("nan"), "rule": "least_load"},
+         "wake_penalty_s: must not be NaN"),
     ],
-)
-def test_bad_options(kwargs, match):
+)  # fmt: skip
+def test_bad_options(cls, kwargs, match):
     with pytest.raises(ValueError, match=match):
-        make(**kwargs)
+        cls(**kwargs)

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 
 from lbkit.core import PRESETS
-from lbkit.prefill import PrefillBalancer
+from lbkit.prefill import Buckets, PrefillBalancer, RankChoice
 
 COST = PRESETS["h800_dsv3"].prefill
 
 
 def _balancer():
-    bal = PrefillBalancer(2, 4, cost=COST, edges=(16384,), initial_engines=(2, 0))
+    bal = PrefillBalancer(2, 4, cost=COST, buckets=Buckets(edges=(16384,), initial_engines=(2, 0)))
     for rid in range(3):  # ranks 0, 1, 2 of engine 0
         bal.route(rid, 4000, 0, now_s=0.0)
     return bal
@@ -64,9 +64,11 @@ def test_reassign_rejects_bad_input_and_changes_nothing():
 
 def test_fill_holes_uses_another_buckets_stepping_engine():
     unit = PRESETS["unit"].prefill  # quota(n) = n + 0.0005 n^2 seconds
-    kw = {"edges": (1000,), "initial_engines": (1, 1), "wake_penalty_s": 10.0}
-    bal = PrefillBalancer(2, 2, cost=unit, fill_holes=True, **kw)
-    plain = PrefillBalancer(2, 2, cost=unit, **kw)
+    buckets = Buckets(edges=(1000,), initial_engines=(1, 1))
+    least = RankChoice(rule="least_load", wake_penalty_s=10.0)
+    fill = RankChoice(rule="least_load", wake_penalty_s=10.0, fill_holes=True)
+    bal = PrefillBalancer(2, 2, cost=unit, choice=fill, buckets=buckets)
+    plain = PrefillBalancer(2, 2, cost=unit, choice=least, buckets=buckets)
     for b in (bal, plain):
         assert b.route("long", 2000, 0, now_s=0.0)[:2] == (1, 0)  # 4000 s on engine 1
     # A short prompt fits in engine 1's steps (105 s <= 4000 s) on its free rank, which beats
@@ -77,20 +79,20 @@ def test_fill_holes_uses_another_buckets_stepping_engine():
     assert bal.route("s2", 100, 0, now_s=0.2) == (0, 0, 0, "own_bucket")
     # Engine 0 steps now: its free rank (score 0) is the own choice, and no hole beats it.
     assert bal.route("s3", 100, 0, now_s=0.3) == (0, 1, 0, "own_bucket")
-    assert bal.state_dict()["config"]["fill_holes"] is True
+    assert bal.state_dict()["config"]["choice"]["fill_holes"] is True
     bal._check()
 
 
 def test_fill_holes_must_be_a_bool():
     with pytest.raises(TypeError, match="fill_holes: must be a bool"):
-        PrefillBalancer(2, 2, cost=COST, fill_holes=1)
+        RankChoice(rule="least_load", fill_holes=1)
 
 
 def test_context_parallel_scores_engines():
     unit = PRESETS["unit"].prefill  # quota(n) = n + 0.0005 n^2 seconds
-    kw = {"edges": (1000,), "initial_engines": (2, 1)}
-    cp = PrefillBalancer(3, 2, cost=unit, context_parallel=True, **kw)
-    ranks = PrefillBalancer(3, 2, cost=unit, **kw)
+    buckets = Buckets(edges=(1000,), initial_engines=(2, 1))
+    cp = PrefillBalancer(3, 2, cost=unit, choice=RankChoice(rule="engine_mean"), buckets=buckets)
+    ranks = PrefillBalancer(3, 2, cost=unit, choice=RankChoice(rule="least_load"), buckets=buckets)
     for b in (cp, ranks):
         assert b.route("a", 400, 0, now_s=0.0)[:2] == (0, 0)  # 480 s on engine 0, rank 0
     # Rank by rank, engine 0's free rank is the least loaded; engine by engine, engine 1
@@ -99,7 +101,7 @@ def test_context_parallel_scores_engines():
     assert cp.route("b", 300, 0, now_s=0.1)[:2] == (1, 0)
     # Engine 1's mean (172.5 s) is still below engine 0's (240 s): engine 1's free rank.
     assert cp.route("c", 10, 0, now_s=0.2)[:2] == (1, 1)
-    assert cp.state_dict()["config"]["context_parallel"] is True
+    assert cp.state_dict()["config"]["choice"]["rule"] == "engine_mean"
     again = PrefillBalancer.from_state_dict(cp.state_dict())
     assert again.route("d", 10, 0, now_s=0.3) == cp.route("d", 10, 0, now_s=0.3)
     cp._check()
@@ -107,11 +109,13 @@ def test_context_parallel_scores_engines():
 
 def test_context_parallel_wake_penalty_and_spill():
     unit = PRESETS["unit"].prefill
-    kw = {"edges": (1000,), "initial_engines": (2, 1), "context_parallel": True}
-    bal = PrefillBalancer(3, 2, cost=unit, wake_penalty_s=1000.0, **kw)
+    buckets = Buckets(edges=(1000,), initial_engines=(2, 1))
+    wake = RankChoice(rule="engine_mean", wake_penalty_s=1000.0)
+    bal = PrefillBalancer(3, 2, cost=unit, choice=wake, buckets=buckets)
     bal.route("a", 400, 0, now_s=0.0)  # engine 0: mean 240 s; engine 1 idle pays 1,000
     assert bal.route("b", 300, 0, now_s=0.1)[:2] == (0, 1)
-    spill = PrefillBalancer(3, 2, cost=unit, spill_ratio=2.0, **kw)
+    ratio = RankChoice(rule="engine_mean", spill_ratio=2.0)
+    spill = PrefillBalancer(3, 2, cost=unit, choice=ratio, buckets=buckets)
     spill.route("a", 900, 0, now_s=0.0)  # 1,305 s: engine 0 mean 652.5
     spill.route("b", 900, 0, now_s=0.0)  # engine 1 of bucket 0, same
     # the next short prompt's engines average 652.5 s, more than twice the long bucket's 0
@@ -120,11 +124,10 @@ def test_context_parallel_wake_penalty_and_spill():
 
 @pytest.mark.parametrize(
     ("opts", "match"),
-    [({"fill_holes": True}, "context_parallel: cannot be combined with fill_holes"),
-     ({"sample": 2}, "context_parallel: cannot be combined with sample")],
+    [({"fill_holes": True}, "fill_holes: applies to rule='least_load' only, not to "
+      "rule='engine_mean'"),
+     ({"sample": 2}, "sample: applies to rule='least_load' only, not to rule='engine_mean'")],
 )  # fmt: skip
-def test_context_parallel_refuses_rank_level_rules(opts, match):
+def test_engine_mean_refuses_rank_level_rules(opts, match):
     with pytest.raises(ValueError, match=match):
-        PrefillBalancer(2, 2, cost=COST, context_parallel=True, **opts)
-    with pytest.raises(TypeError, match="context_parallel: must be a bool"):
-        PrefillBalancer(2, 2, cost=COST, context_parallel="yes")
+        RankChoice(rule="engine_mean", **opts)

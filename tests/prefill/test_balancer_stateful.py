@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from lbkit.core import PRESETS
-from lbkit.prefill import PrefillBalancer
+from lbkit.prefill import Buckets, PrefillBalancer, RankChoice, Rounds
 
 COST = PRESETS["unit"].prefill
 EDGES = (100, 400)
@@ -50,14 +50,18 @@ class Model:
 
 
 class BalancerMachine(RuleBasedStateMachine):
-    #: Balancer options beyond the common ones (subclasses exercise others).
-    OPTIONS: ClassVar[dict[str, Any]] = {"initial_engines": [2, 1, 1]}
+    #: Balancer options (subclasses exercise others); rounds keep the defaults (a 5 s cold
+    #: start, a 30 s drain limit) beyond the common hysteresis.
+    CHOICE: ClassVar[RankChoice] = RankChoice()
+    INITIAL: ClassVar[tuple[int, ...] | None] = (2, 1, 1)
+    ROUNDS: ClassVar[dict[str, Any]] = {}
 
     def __init__(self):
         super().__init__()
         self.bal = PrefillBalancer(
-            ENGINES, RANKS, cost=COST, edges=EDGES, min_dwell_s=0.0, deadband=0.0, max_moves=2,
-            **self.OPTIONS,
+            ENGINES, RANKS, cost=COST, choice=self.CHOICE,
+            buckets=Buckets(edges=EDGES, initial_engines=self.INITIAL),
+            rounds=Rounds(min_dwell_s=0.0, deadband=0.0, max_moves=2, **self.ROUNDS),
         )  # fmt: skip
         self.model = Model()
         self.now = 0.0
@@ -89,7 +93,7 @@ class BalancerMachine(RuleBasedStateMachine):
             e * RANKS + r for e in range(ENGINES) for r in range(RANKS)
             if stats.engine_bucket[e] == server and stats.engine_state[e] == "active"
         ]  # fmt: skip
-        wake = self.OPTIONS.get("wake_penalty_s") or 0.0
+        wake = self.CHOICE.wake_penalty_s or 0.0
 
         def score(x):
             e = x // RANKS
@@ -99,12 +103,9 @@ class BalancerMachine(RuleBasedStateMachine):
         f = d.engine * RANKS + d.rank
         want = min(cand, key=score)
         reason = "own_bucket" if server == d.bucket else "shared_bucket"
-        lockstep = self.OPTIONS.get("rank_rule", "lockstep") == "lockstep" and not any(
-            self.OPTIONS.get(k) for k in ("wake_penalty_s", "fill_holes", "context_parallel")
-        )
-        if lockstep:
-            # Earliest finish in lockstep steps (budget 1 s), plus 0.6 x the growth of a busy
-            # engine's work, 0.1 x that of an idle one.
+        if self.CHOICE.rule == "lockstep":
+            # Earliest finish in lockstep steps (budget 1 s), plus the growth of the engine's work
+            # weighted by the choice's weights (busy and idle engines).
             rem = total - cached
             own = float(COST.quota(rem, cached)) + COST.moe_s_per_token * rem
 
@@ -114,12 +115,13 @@ class BalancerMachine(RuleBasedStateMachine):
                 busy = sum(count[e * RANKS : (e + 1) * RANKS]) > 0
                 y = work[x] + own
                 fin = min(max(y, top), math.ceil(y / 1.0)) if busy else y
-                return fin + (0.6 if busy else 0.1) * max(0.0, y - top)
+                weight = self.CHOICE.growth_weight if busy else self.CHOICE.idle_growth_weight
+                return fin + weight * max(0.0, y - top)
 
             best = min(lockstep_score(x) for x in cand)
             assert lockstep_score(f) <= best + 1e-9 * max(1.0, best)
             want = f
-        if self.OPTIONS.get("context_parallel"):
+        if self.CHOICE.rule == "engine_mean":
             # The engine with the least mean load (plus the wake penalty when idle; lowest
             # engine on ties), then its least loaded rank (lowest on ties).
             def engine_score(e):
@@ -128,7 +130,7 @@ class BalancerMachine(RuleBasedStateMachine):
 
             e = min({x // RANKS for x in cand}, key=engine_score)
             want = min(range(e * RANKS, (e + 1) * RANKS), key=lambda x: (before[x], x))
-        if self.OPTIONS.get("fill_holes"):
+        if self.CHOICE.fill_holes:
             # Hole filling: when the own choice would lengthen its engine's steps, the least
             # loaded rank of any active engine that takes the quota within its most loaded
             # rank, if no more loaded than the own choice's score.
@@ -228,10 +230,10 @@ class BalancerMachine(RuleBasedStateMachine):
     def end_round(self, dt):
         before = self.bal.statistics()
         res = self.bal.end_round(self.tick(dt))
-        cold = "cold_start_s" in self.OPTIONS and before.rounds == 0
+        cold = self.bal.rounds.cold_start_s is not None and before.rounds == 0
         assert len(res.moves) <= (ENGINES if cold else 2)
         stats = self.bal.statistics()
-        limit = self.OPTIONS.get("max_drain_s")
+        limit = self.bal.rounds.max_drain_s
         for m in res.moves:
             assert stats.engine_bucket[m.engine] == m.to_bucket
             if limit is not None:  # engines holding more than max_drain_s stay
@@ -347,31 +349,29 @@ class BalancerMachine(RuleBasedStateMachine):
 class LeastLoadMachine(BalancerMachine):
     """The same rules with the plain least-load rank choice."""
 
-    OPTIONS: ClassVar[dict[str, Any]] = {"initial_engines": [2, 1, 1], "rank_rule": "least_load"}
+    CHOICE: ClassVar[RankChoice] = RankChoice(rule="least_load")
 
 
 class OptionsMachine(BalancerMachine):
     """The same rules with a cold start, engine-aware rank choice and a drain limit."""
 
-    OPTIONS: ClassVar[dict[str, Any]] = {
-        "cold_start_s": 1.0, "max_drain_s": 300.0, "wake_penalty_s": 50.0,
-    }  # fmt: skip
+    CHOICE: ClassVar[RankChoice] = RankChoice(rule="least_load", wake_penalty_s=50.0)
+    INITIAL = None
+    ROUNDS: ClassVar[dict[str, Any]] = {"cold_start_s": 1.0, "max_drain_s": 300.0}
 
 
 class FillMachine(BalancerMachine):
     """The same rules with engine-aware rank choice and hole filling across buckets."""
 
-    OPTIONS: ClassVar[dict[str, Any]] = {
-        "initial_engines": [2, 1, 1], "wake_penalty_s": 5.0, "fill_holes": True,
-    }  # fmt: skip
+    CHOICE: ClassVar[RankChoice] = RankChoice(
+        rule="least_load", wake_penalty_s=5.0, fill_holes=True
+    )
 
 
 class ContextParallelMachine(BalancerMachine):
     """The same rules with engines scored by their mean load (context-parallel engines)."""
 
-    OPTIONS: ClassVar[dict[str, Any]] = {
-        "initial_engines": [2, 1, 1], "context_parallel": True, "wake_penalty_s": 20.0,
-    }  # fmt: skip
+    CHOICE: ClassVar[RankChoice] = RankChoice(rule="engine_mean", wake_penalty_s=20.0)
 
 
 BalancerMachine.TestCase.settings = settings(stateful_step_count=40, deadline=None)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import assume, given
+from hypothesis import assume, example, given
 from hypothesis import strategies as st
 
 from lbkit.prefill import allocate_engines, bottleneck, rebalance
@@ -73,10 +73,16 @@ def test_moves_obey_every_rule(pool, deadband, max_moves, dwell, force):
 
 
 @given(pool=pools())
+@example(
+    pool=(np.array([0, 1]), np.zeros(4), np.full(2, -np.inf), np.zeros(2), np.zeros(2, dtype=bool))
+)
 def test_unhindered_rounds_reach_the_ideal_allocation(pool):
     home, d, _, _, _ = pool
     r = rebalance(home, d, now_s=0.0, deadband=0.0, max_moves=100, min_dwell_s=0.0)
-    if r.moves:
+    if d.sum() == 0:
+        # No demand: nothing to plan from (pinned: engines homed in buckets 0 and 1 of four).
+        assert r.moves == ()
+    elif r.moves:
         assert r.bottleneck_after == r.ideal.bottleneck
     elif r.ideal.bottleneck < r.bottleneck_before:
         # Only the last-engine rule may hold the pool back: every surplus bucket is non-empty

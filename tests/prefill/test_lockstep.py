@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from lbkit.core import PRESETS
 from lbkit.core.cost import QuadraticCost
-from lbkit.prefill import PrefillBalancer
+from lbkit.prefill import Buckets, PrefillBalancer
 from lbkit.prefill.lockstep import N_COEF, lockstep_rank, lockstep_scored
 
 COST = PRESETS["h800_dsv3"].prefill
@@ -121,8 +121,8 @@ def test_a_rank_holding_the_prefix_wins_when_its_extra_load_is_below_the_saving(
     st.sampled_from([(), (16_384, 65_536)]),
 )
 def test_equal_caches_everywhere_choose_as_a_scalar_does(requests, edges):
-    a = PrefillBalancer(3, 2, cost=COST, edges=edges)
-    b = PrefillBalancer(3, 2, cost=COST, edges=edges)
+    a = PrefillBalancer(3, 2, cost=COST, buckets=Buckets(edges=edges))
+    b = PrefillBalancer(3, 2, cost=COST, buckets=Buckets(edges=edges))
     t = 0.0
     for i, (total, pct, finish_first) in enumerate(requests):
         cached = total * pct // 100
@@ -151,7 +151,7 @@ def test_per_rank_cached_tokens_are_validated():
 
 
 def test_the_request_takes_the_cached_tokens_of_its_rank():
-    bal = PrefillBalancer(2, 2, cost=COST, edges=())
+    bal = PrefillBalancer(2, 2, cost=COST, buckets=Buckets(edges=()))
     d = bal.route("a", 30_000, np.array([0, 0, 0, 28_672]), now_s=0.0)
     assert (d.engine, d.rank) == (1, 1)
     # its quota is that of the 1,328 tokens it computes there

@@ -8,7 +8,7 @@ from lbkit.core import PRESETS
 from lbkit.sim.bench import run_bench
 from lbkit.sim.engine import scale_to_utilization, simulate_prefill
 from lbkit.sim.metrics import prefill_metrics
-from lbkit.sim.policies import LBKIT_CP_OPTIONS, context_parallel_policy
+from lbkit.sim.policies import LBKIT_BUCKET_OPTIONS, LBKIT_CP_OPTIONS, context_parallel_policy
 from lbkit.sim.workload import synthetic_trace
 
 BASELINES = ("round_robin", "random", "least_requests", "least_tokens", "power_of_two")
@@ -42,9 +42,10 @@ def test_engine_scores_beat_every_baseline_on_long_prompts(seed):
 def test_context_parallel_policy_options():
     cost = PRESETS["unit"].prefill
     pol = context_parallel_policy("lbkit", 4, 2, cost=cost)
-    cfg = pol.balancer.state_dict()["config"]
-    assert all(cfg[k] == v for k, v in LBKIT_CP_OPTIONS.items())
+    assert pol.balancer.choice == LBKIT_CP_OPTIONS["choice"]
     bucketed = context_parallel_policy("lbkit_buckets", 4, 2, cost=cost)
     assert bucketed.name == "lbkit_buckets" and len(bucketed.balancer.edges) == 3
+    assert bucketed.balancer.choice.rule == "engine_mean"
+    assert bucketed.balancer.choice.spill_ratio == LBKIT_BUCKET_OPTIONS["choice"].spill_ratio
     with pytest.raises(ValueError, match="name: must be 'lbkit' or 'lbkit_buckets'"):
         context_parallel_policy("round_robin", 4, 2, cost=cost)

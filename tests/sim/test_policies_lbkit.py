@@ -41,9 +41,9 @@ def test_lbkit_options_are_the_documented_ones():
     cfg = pol.balancer.state_dict()["config"]
     # the measured configuration is the default one
     assert cfg == PrefillBalancer(2, 2, cost=H800).state_dict()["config"]
-    assert cfg["rank_rule"] == "lockstep" and cfg["edges"] == []
-    buckets = PREFILL_POLICIES["lbkit_buckets"](2, 2, cost=H800).balancer.state_dict()["config"]
-    assert buckets["edges"] == list(LBKIT_BUCKET_OPTIONS["edges"])
-    assert buckets["cold_start_s"] == LBKIT_BUCKET_OPTIONS["cold_start_s"]
-    least = PREFILL_POLICIES["lbkit_least_load"](2, 2, cost=H800).balancer.state_dict()["config"]
-    assert least["rank_rule"] == "least_load"
+    assert cfg["choice"]["rule"] == "lockstep" and cfg["buckets"]["edges"] == []
+    buckets = PREFILL_POLICIES["lbkit_buckets"](2, 2, cost=H800).balancer
+    assert buckets.buckets == LBKIT_BUCKET_OPTIONS["buckets"]
+    assert buckets.choice == LBKIT_BUCKET_OPTIONS["choice"] and buckets.rounds.cold_start_s == 5.0
+    least = PREFILL_POLICIES["lbkit_least_load"](2, 2, cost=H800).balancer
+    assert least.choice.rule == "least_load"

@@ -55,6 +55,10 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from lbkit.core.cost import DecodeCost
+from lbkit.core.engines import ACTIVE as _ACTIVE
+from lbkit.core.engines import DRAINING as _DRAINING
+from lbkit.core.engines import OUT as _OUT
+from lbkit.core.engines import STATE_NAMES as _STATE_NAMES
 from lbkit.core.metrics import max_over_mean
 from lbkit.core.validation import as_int_array, as_rng, check_choice, check_int, to_numpy
 from lbkit.decode import _kernels as K
@@ -72,8 +76,6 @@ __all__ = [
     "RequestInfo",
 ]
 
-_ACTIVE, _DRAINING, _OUT = 0, 1, 2
-_STATE_NAMES = ("active", "draining", "out")
 _STATE_VERSION = 1
 _RANK, _KV, _GEN, _EXPECT, _ORDER = range(5)
 _REFUSED = tuple(Decision(-1, reason) for reason in REASONS)

@@ -10,9 +10,14 @@ Pure decision functions (numpy in, indices or NamedTuples out):
   (``lockstep.py``; the balancer's default rule);
 - :func:`plan_chunks`: one step of a rank's FIFO queue under a time budget (``chunking.py``).
 
-:class:`PrefillBalancer` (``balancer.py``) embeds them in a router. :class:`PrefixIndex`
-(``prefix_index.py``) gives it the cached prefix tokens of a request on every rank, fed by the
-engines' KV-cache events or by the router's own admissions.
+:class:`PrefillBalancer` (``balancer.py``) embeds them in a router, configured by three frozen
+option objects (``options.py``): :class:`RankChoice` (the rank-choice rule), :class:`Buckets`
+(length buckets and engine bounds) and :class:`Rounds` (re-planning of engines). Its parts:
+``ledger.py`` (requests and per-rank sums), ``choice.py`` (the rank-choice rules),
+``results.py`` (what its methods return), ``persistence.py`` (saved states) and ``legacy.py``
+(the old keyword options). :class:`PrefixIndex` (``prefix_index.py``) gives it the cached prefix
+tokens of a request on every rank, fed by the engines' KV-cache events or by the router's own
+admissions.
 """
 
 from lbkit.prefill.apportion import (
@@ -23,19 +28,12 @@ from lbkit.prefill.apportion import (
     bottleneck,
     serving_buckets,
 )
-from lbkit.prefill.balancer import (
-    REASONS,
-    EnginePlan,
-    PrefillBalancer,
-    PrefillStatistics,
-    ReportResult,
-    RoundResult,
-    RouteDecision,
-)
+from lbkit.prefill.balancer import PrefillBalancer
 from lbkit.prefill.buckets import DEFAULT_EDGES, bucket_of
 from lbkit.prefill.chunking import ChunkPlan, plan_chunks
 from lbkit.prefill.hysteresis import Move, Rebalance, rebalance
 from lbkit.prefill.lockstep import lockstep_rank
+from lbkit.prefill.options import RANK_RULES, Buckets, RankChoice, Rounds
 from lbkit.prefill.prefix_index import (
     BYTES_PER_CACHED_BLOCK,
     DEFAULT_BLOCK_TOKENS,
@@ -43,6 +41,14 @@ from lbkit.prefill.prefix_index import (
     PrefixIndexStatistics,
 )
 from lbkit.prefill.ranks import pick_rank
+from lbkit.prefill.results import (
+    REASONS,
+    EnginePlan,
+    PrefillStatistics,
+    ReportResult,
+    RoundResult,
+    RouteDecision,
+)
 
 __all__ = [
     "BYTES_PER_CACHED_BLOCK",
@@ -50,8 +56,10 @@ __all__ = [
     "DEFAULT_EDGES",
     "DEFAULT_METHOD",
     "METHODS",
+    "RANK_RULES",
     "REASONS",
     "Allocation",
+    "Buckets",
     "ChunkPlan",
     "EnginePlan",
     "Move",
@@ -59,9 +67,11 @@ __all__ = [
     "PrefillStatistics",
     "PrefixIndex",
     "PrefixIndexStatistics",
+    "RankChoice",
     "Rebalance",
     "ReportResult",
     "RoundResult",
+    "Rounds",
     "RouteDecision",
     "allocate_engines",
     "bottleneck",

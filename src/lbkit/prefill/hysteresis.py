@@ -195,6 +195,10 @@ def rebalance(
         raise TypeError(f"force: must be a bool, got {type(force).__name__}")
     if not force and not ideal.bottleneck < before * (1.0 - band):
         return Rebalance(s, (), ideal, before, before)
+    if d.sum() <= 0:
+        # No demand yet: nothing to plan from, and giving a bucket's last engine away would
+        # divide by zero below; engines stay where they are.
+        return Rebalance(s, (), ideal, before, before)
     can = alive & mov & (now - last >= dwell)
     home = home.copy()
     target = ideal.engines

@@ -48,6 +48,7 @@ Baselines treat the pool as one flat list of ranks; they know nothing of engines
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from types import MappingProxyType
 from typing import Any
 
@@ -57,6 +58,7 @@ from lbkit.core.cost import QuadraticCost
 from lbkit.core.validation import as_rng
 from lbkit.prefill.balancer import PrefillBalancer
 from lbkit.prefill.buckets import DEFAULT_EDGES
+from lbkit.prefill.options import Buckets, RankChoice
 from lbkit.sim.peers import PEER_POLICIES
 from lbkit.sim.protocol import EV_FINISH, EV_MOVE, EV_PROGRESS
 
@@ -78,24 +80,21 @@ __all__ = [
 ]
 
 
-#: Options of the ``lbkit_buckets`` ablation: DeepSeek's length buckets (``DEFAULT_EDGES``),
-#: engines apportioned per bucket every 30 s round after a 5 s cold start, no engine moved while
-#: its busiest rank holds more than 30 s of work, spill-over to a neighbouring bucket whose best
-#: rank scores three times lower. The ``lbkit`` policy itself runs
+#: Options of the ``lbkit_buckets`` ablation, as :class:`~lbkit.prefill.PrefillBalancer`
+#: keyword arguments: DeepSeek's length buckets (``DEFAULT_EDGES``) with spill-over to a
+#: neighbouring bucket whose best rank scores three times lower; the rounds are the defaults
+#: (engines apportioned per bucket every 30 s round after a 5 s cold start, no engine moved
+#: while its busiest rank holds more than 30 s of work). The ``lbkit`` policy itself runs
 #: :class:`~lbkit.prefill.PrefillBalancer`'s defaults.
 LBKIT_BUCKET_OPTIONS: Mapping[str, Any] = MappingProxyType(
-    {
-        "edges": DEFAULT_EDGES,
-        "cold_start_s": 5.0,
-        "max_drain_s": 30.0,
-        "spill_ratio": 3.0,
-    }
+    {"buckets": Buckets(edges=DEFAULT_EDGES), "choice": RankChoice(spill_ratio=3.0)}
 )
 
 #: Options of both ``lbkit`` policies for engines with context parallelism
 #: (``simulate_prefill(work_sharing="split")``): engines scored by their mean quota load
-#: (``context_parallel``); ``lbkit_buckets`` adds :data:`LBKIT_BUCKET_OPTIONS`.
-LBKIT_CP_OPTIONS: Mapping[str, Any] = MappingProxyType({"context_parallel": True})
+#: (``RankChoice(rule="engine_mean")``); ``lbkit_buckets`` adds the buckets and spill-over of
+#: :data:`LBKIT_BUCKET_OPTIONS`.
+LBKIT_CP_OPTIONS: Mapping[str, Any] = MappingProxyType({"choice": RankChoice(rule="engine_mean")})
 
 
 class _Baseline:
@@ -282,7 +281,8 @@ def _lbkit_least_load(
     num_engines: int, ranks_per_engine: int, *, cost: QuadraticCost, rng: Any = None
 ):
     return LbkitPrefill(num_engines, ranks_per_engine, cost=cost, rng=rng,
-                        name="lbkit_least_load", rank_rule="least_load")  # fmt: skip
+                        name="lbkit_least_load",
+                        choice=RankChoice(rule="least_load"))  # fmt: skip
 
 
 def _lbkit_nocache(
@@ -307,8 +307,10 @@ def context_parallel_policy(
     if name == "lbkit":
         return LbkitPrefill(num_engines, ranks_per_engine, cost=cost, rng=rng, **LBKIT_CP_OPTIONS)
     if name == "lbkit_buckets":
+        choice = replace(LBKIT_BUCKET_OPTIONS["choice"], rule=LBKIT_CP_OPTIONS["choice"].rule)
+        options = {**LBKIT_BUCKET_OPTIONS, "choice": choice}
         return LbkitPrefill(num_engines, ranks_per_engine, cost=cost, rng=rng, name=name,
-                            **LBKIT_BUCKET_OPTIONS, **LBKIT_CP_OPTIONS)  # fmt: skip
+                            **options)  # fmt: skip
     raise ValueError(f"name: must be 'lbkit' or 'lbkit_buckets', got {name!r}")
 
 

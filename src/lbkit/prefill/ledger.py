@@ -1,0 +1,341 @@
+"""The prefill balancer's ledger: every request it routed, and the sums per rank it routes by.
+
+A :class:`Request` remembers its rank, bucket, tokens (total, cached, prefilled) and its
+*remaining quota*, ``cost.quota(remaining_tokens, cached_tokens + done_tokens)``: the work of
+its remaining tokens as if run in one chunk. A rank's *quota load* is the sum of the remaining
+quotas of its requests; its *work* adds the routed-expert seconds of their remaining tokens
+(what the lockstep rule plans with). Both are re-summed exactly from the rank's queue whenever
+it changes (:meth:`Ledger.resum`): no cancellation error builds up, and a rank whose queue
+empties is back at exactly zero.
+
+With the physical tie ``q = k/2`` (and ``gamma = 0``) a fall of the remaining quota is exactly
+the work of the chunk just run, whatever the chunking. Otherwise it is not (``q > k/2`` charges
+chunking less than the one-chunk estimate, ``q < k/2`` more), but the decrements telescope: the
+load is the remaining quota of what is left, and zero once the request finishes.
+
+The per-rank sums are kept in *slot* order (the layout of :mod:`lbkit.prefill.choice`: the ranks
+of each bucket's engines contiguous), ``slot[flat]`` and ``rank_at[slot]`` translating.
+
+Examples
+--------
+>>> from lbkit.core import PRESETS
+>>> led = Ledger(2, 2, PRESETS["unit"].prefill)
+>>> led.add(Request("a", 1, 0, 100, 0, 0, led.quota(100, 0)))
+>>> float(led.rank_loads()[1]) == led.quota(100, 0)
+True
+>>> led.record(["a"], [100], [True])
+(1, {1})
+>>> led.rank_loads().tolist()
+[0.0, 0.0, 0.0, 0.0]
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Mapping
+from typing import Any
+
+import numpy as np
+
+from lbkit.core.cost import QuadraticCost
+from lbkit.core.validation import check_int, check_real
+
+__all__ = ["Ledger", "Request", "as_request_id", "as_time", "as_tokens"]
+
+
+def as_tokens(value: Any, name: str) -> int:
+    """A token count: a non-negative int (``ValueError``/``TypeError`` naming ``name``)."""
+    if type(value) is int and value >= 0:
+        return value
+    return check_int(value, name, min_value=0)
+
+
+def as_request_id(value: Any) -> int | str:
+    """A request id: an int (numpy integers become ``int``) or a str."""
+    if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)):
+        return int(value)
+    if isinstance(value, str):
+        return str(value)
+    raise TypeError(f"request_id: must be an int or a str, got {type(value).__name__}")
+
+
+def as_time(value: Any) -> float:
+    """A finite time in seconds (``now_s``)."""
+    if type(value) is float and value - value == 0.0:  # finite float: the common case
+        return value
+    return check_real(value, "now_s")
+
+
+class Request:
+    """One routed request: id, flat rank, bucket, tokens and remaining quota (seconds)."""
+
+    __slots__ = ("bucket", "cached", "done", "quota", "rank", "rid", "total")
+
+    def __init__(self, rid, rank, bucket, total, cached, done, quota):
+        self.rid = rid
+        self.rank = rank
+        self.bucket = bucket
+        self.total = total
+        self.cached = cached
+        self.done = done
+        self.quota = quota
+
+    @property
+    def left(self) -> int:
+        """Tokens still to prefill."""
+        return self.total - self.cached - self.done
+
+
+class Ledger:
+    """Requests by id, their FIFO queue per flat rank, and the per-rank sums in slot order.
+
+    Parameters
+    ----------
+    num_engines, ranks_per_engine : int
+    cost : QuadraticCost
+        The rank's step-cost model (its quota and routed-expert seconds per token).
+
+    Attributes
+    ----------
+    requests : dict
+        Request id to :class:`Request`.
+    queues : list of dict
+        Per flat rank, its requests in arrival order.
+    load, work : ndarray of float, shape (num_ranks,)
+        Quota load and step-time work per slot, seconds.
+    count : ndarray of int, shape (num_ranks,)
+        Requests per slot.
+    slot, rank_at : list of int
+        Flat rank to slot and back.
+    """
+
+    def __init__(self, num_engines: int, ranks_per_engine: int, cost: QuadraticCost) -> None:
+        n = num_engines * ranks_per_engine
+        self.ranks = ranks_per_engine
+        self.cost = cost
+        self.moe = float(cost.moe_s_per_token)
+        self.requests: dict[Hashable, Request] = {}
+        self.queues: list[dict[Hashable, Request]] = [{} for _ in range(n)]
+        self.load = np.zeros(n)
+        self.work = np.zeros(n)
+        self.count = np.zeros(n, dtype=np.int64)
+        self.slot: list[int] = list(range(n))
+        self.rank_at: list[int] = list(range(n))
+
+    def quota(self, remaining: int, prefix: int) -> float:
+        """``cost.quota(remaining, prefix)`` in plain floats, seconds (0 for nothing left)."""
+        c = self.cost
+        return (
+            remaining * (c.b + c.k * prefix + c.q * remaining) + c.gamma * prefix
+            if remaining
+            else 0.0
+        )
+
+    def relayout(self, order: list[int]) -> None:
+        """Put the per-rank sums in a new slot order (``order[slot]`` is a flat rank)."""
+        to_flat = np.asarray(self.slot, dtype=np.int64)
+        flat_load = self.load[to_flat]
+        flat_work = self.work[to_flat]
+        flat_count = self.count[to_flat]
+        self.rank_at = order
+        slot = [0] * len(order)
+        for s, f in enumerate(order):
+            slot[f] = s
+        self.slot = slot
+        where = np.asarray(order, dtype=np.int64)
+        self.load = flat_load[where]
+        self.work = flat_work[where]
+        self.count = flat_count[where]
+
+    def rank_loads(self) -> np.ndarray:
+        """Quota load per rank in flat order, shape (num_ranks,), seconds (a copy)."""
+        return self.load[np.asarray(self.slot, dtype=np.int64)]
+
+    def get(self, rid: Hashable) -> Request:
+        """The request of id ``rid`` (``KeyError`` naming it when unknown)."""
+        try:
+            return self.requests[rid]
+        except (KeyError, TypeError):
+            raise KeyError(f"request_id: unknown request {rid!r}") from None
+
+    def add(self, req: Request) -> None:
+        """Queue a request at the end of its rank's queue."""
+        self.requests[req.rid] = req
+        self.queues[req.rank][req.rid] = req
+        self.resum(req.rank)
+
+    def drop(self, req: Request) -> None:
+        """Remove a request from the ledger."""
+        del self.requests[req.rid]
+        del self.queues[req.rank][req.rid]
+        self.resum(req.rank)
+
+    def move(self, req: Request, rank: int) -> None:
+        """Move a request to the end of another rank's queue."""
+        old = req.rank
+        del self.queues[old][req.rid]
+        self.queues[rank][req.rid] = req
+        req.rank = rank
+        for f in (old, rank):
+            self.resum(f)
+
+    def advance(self, req: Request, done: int) -> float:
+        """Set ``req.done``; update its quota and its rank's sums; return |quota change|."""
+        new = self.quota(req.total - req.cached - done, req.cached + done)
+        delta = req.quota - new
+        req.done = done
+        req.quota = new
+        self.resum(req.rank)
+        return abs(delta)
+
+    def resum(self, flat: int) -> None:
+        """Re-sum a rank's quota load, step-time work and request count from its queue."""
+        queue = self.queues[flat]
+        slot = self.slot[flat]
+        if queue:
+            self.load[slot] = math.fsum(r.quota for r in queue.values())
+            moe = self.moe
+            self.work[slot] = math.fsum(
+                r.quota + moe * (r.total - r.cached - r.done) for r in queue.values()
+            )
+        else:
+            self.load[slot] = 0.0
+            self.work[slot] = 0.0
+        self.count[slot] = len(queue)
+
+    def engine_requests(self, engine: int) -> int:
+        """Requests held by the ranks of ``engine``."""
+        r = self.ranks
+        return sum(len(self.queues[f]) for f in range(engine * r, engine * r + r))
+
+    def record(self, request_ids: Any, toks: Any, finished: Any) -> tuple[int, set[int]]:
+        """Apply a batch of progress and completions (see :meth:`PrefillBalancer.record`).
+
+        The batch is validated as a whole first: if an entry is bad nothing is applied.
+
+        Returns
+        -------
+        tuple of (int, set of int)
+            Requests that left, and the flat ranks touched (each re-summed once).
+        """
+        ids = list(request_ids.tolist() if isinstance(request_ids, np.ndarray) else request_ids)
+        toks = list(toks.tolist() if isinstance(toks, np.ndarray) else toks)
+        fins = list(finished.tolist() if isinstance(finished, np.ndarray) else finished)
+        if not len(ids) == len(toks) == len(fins):
+            raise ValueError(
+                "request_ids, tokens, finished: must have the same length, got "
+                f"{len(ids)}, {len(toks)} and {len(fins)}"
+            )
+        requests = self.requests
+        done: dict[int, int] = {}
+        gone: set[int] = set()
+        entries: list[tuple[Request, int, bool]] = []
+        for rid, tok, fin in zip(ids, toks, fins, strict=True):
+            req = requests.get(rid) if isinstance(rid, (int, str)) else None
+            if req is None or id(req) in gone:
+                raise KeyError(f"request_id: unknown request {rid!r}")
+            if not (type(tok) is int and tok >= 0):
+                tok = as_tokens(tok, "tokens")
+            key = id(req)
+            d = done.get(key, req.done) + tok
+            if d > req.total - req.cached:
+                raise ValueError(
+                    f"tokens: request {rid!r} has {req.total - req.cached - d + tok} tokens left "
+                    f"to prefill, got {tok}"
+                )
+            done[key] = d
+            fin = bool(fin)
+            if fin:
+                gone.add(key)
+            entries.append((req, tok, fin))
+        touched: set[int] = set()
+        quota = self.quota
+        n_fin = 0
+        for req, tok, fin in entries:
+            if tok:
+                req.done += tok
+                req.quota = quota(req.total - req.cached - req.done, req.cached + req.done)
+            touched.add(req.rank)
+            if fin:
+                del requests[req.rid]
+                del self.queues[req.rank][req.rid]
+                n_fin += 1
+        for f in touched:
+            self.resum(f)
+        return n_fin, touched
+
+    def reported(
+        self, engine: int, progress: Mapping[Hashable, int]
+    ) -> tuple[list[tuple[Request, int]], tuple[Hashable, ...]]:
+        """Validate an engine's report of cumulative prefilled tokens per request id.
+
+        Returns the requests of the ledger on ``engine`` with their reported tokens, and the
+        reported ids the ledger does not hold there (``ValueError`` naming ``progress[id]``
+        for tokens outside ``[0, uncached tokens]``; nothing changes).
+        """
+        r = self.ranks
+        ranks = range(engine * r, engine * r + r)
+        known: list[tuple[Request, int]] = []
+        unknown: list[Hashable] = []
+        for rid, toks in progress.items():
+            req = self.requests.get(rid) if isinstance(rid, (int, str)) else None
+            if req is None or req.rank not in ranks:
+                unknown.append(rid)
+                continue
+            toks = as_tokens(toks, f"progress[{rid!r}]")
+            if toks > req.total - req.cached:
+                raise ValueError(
+                    f"progress[{rid!r}]: must be <= the request's uncached tokens "
+                    f"({req.total - req.cached}), got {toks}"
+                )
+            known.append((req, toks))
+        return known, tuple(unknown)
+
+    def reconcile(
+        self, engine: int, known: list[tuple[Request, int]]
+    ) -> tuple[float, tuple[Hashable, ...]]:
+        """Apply reported progress (forward only) of ``engine``'s requests (from
+        :meth:`reported`); return the drift, seconds (sum of ``|ledger remaining quota -
+        reported remaining quota|`` before), and the ids held there that were not reported."""
+        drift = 0.0
+        for req, toks in known:
+            reported = self.quota(req.total - req.cached - toks, req.cached + toks)
+            drift += abs(req.quota - reported)
+            if toks > req.done:
+                self.advance(req, toks)
+        seen = {id(req) for req, _ in known}
+        r = self.ranks
+        missing = tuple(
+            rid
+            for f in range(engine * r, engine * r + r)
+            for rid, req in self.queues[f].items()
+            if id(req) not in seen
+        )
+        return drift, missing
+
+    def check(self, bucket_of: Any) -> None:
+        """Assert the ledger's invariants (for tests); ``bucket_of(total)`` gives a bucket."""
+        n = len(self.queues)
+        assert sorted(self.rank_at) == list(range(n)), "slots are not a permutation"
+        assert all(self.rank_at[self.slot[f]] == f for f in range(n)), "slot maps disagree"
+        flat = self.rank_loads()
+        seen = 0
+        for f, queue in enumerate(self.queues):
+            total = 0.0
+            scale = 0.0
+            for rid, req in queue.items():
+                assert self.requests.get(rid) is req, f"request {rid!r} on rank {f} not in ledger"
+                assert req.rank == f, f"request {rid!r} records rank {req.rank}, queued on {f}"
+                assert 0 <= req.done <= req.total - req.cached, f"request {rid!r} progress"
+                assert 0 <= req.cached <= req.total and req.total >= 1
+                assert req.bucket == bucket_of(req.total)
+                want = self.quota(req.total - req.cached - req.done, req.cached + req.done)
+                assert math.isclose(req.quota, want, rel_tol=1e-12, abs_tol=0.0)
+                total += req.quota
+                scale = max(scale, req.quota)
+                seen += 1
+            tol = 1e-9 * max(scale, 1e-300) * (len(queue) + 1)
+            assert abs(flat[f] - total) <= tol, f"rank {f}: load {flat[f]} != quota sum {total}"
+            if not queue:
+                assert flat[f] == 0.0, f"rank {f}: empty queue with load {flat[f]}"
+        assert seen == len(self.requests), "a request is in the ledger but in no queue"

@@ -1,0 +1,222 @@
+"""Saving and restoring a :class:`~lbkit.prefill.PrefillBalancer`: its state as plain types.
+
+A state is ``{"version": 2, "config": ..., "state": ...}`` of JSON types: the configuration
+(pool, cost model, and the three option objects as dicts) and the ledger, engines, round and
+counters. :func:`read_config` also reads version-1 states (the flat keyword options of the
+balancer before the option objects). :func:`read_state` checks every field of a state before the
+balancer trusts it: a ``ValueError`` names the field (``state.requests[3]``, ...) and the rule it
+breaks. Nothing here relies on ``assert`` (which ``python -O`` drops).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from lbkit.core.cost import QuadraticCost
+from lbkit.core.engines import DRAINING, OUT
+from lbkit.core.validation import as_float_array, as_int_array, check_int, check_real
+from lbkit.prefill.legacy import BUCKET_KEYWORDS, CHOICE_KEYWORDS, ROUND_KEYWORDS, from_keywords
+from lbkit.prefill.options import Buckets, RankChoice, Rounds
+
+__all__ = ["COUNTERS", "STATE_VERSION", "config_dict", "read_config", "read_state"]
+
+#: Version of :meth:`PrefillBalancer.state_dict` (2: options as :class:`RankChoice`,
+#: :class:`Buckets`, :class:`Rounds` dicts; 1: flat keyword options).
+STATE_VERSION = 2
+#: The balancer's counters (see :class:`~lbkit.prefill.PrefillStatistics`).
+COUNTERS = (
+    "routed", "finished", "refused", "handed_back", "rerouted", "moves", "rounds",
+    "reports_accepted", "reports_stale", "reassigned",
+)  # fmt: skip
+_COST_FIELDS = ("a", "b", "k", "q", "gamma", "b_moe", "moe_lb")
+_LOAD_RTOL = 1e-9  # saved rank loads against the sums of the saved quotas
+
+
+def config_dict(
+    num_engines: int,
+    ranks_per_engine: int,
+    cost: QuadraticCost,
+    choice: RankChoice,
+    buckets: Buckets,
+    rounds: Rounds,
+) -> dict[str, Any]:
+    """The configuration part of a state."""
+    return {
+        "num_engines": num_engines,
+        "ranks_per_engine": ranks_per_engine,
+        "cost": {f: getattr(cost, f) for f in _COST_FIELDS},
+        "choice": choice.to_dict(),
+        "buckets": buckets.to_dict(),
+        "rounds": rounds.to_dict(),
+    }
+
+
+def _mapping(value: Any, name: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{name}: must be a mapping, got {type(value).__name__}")
+    return value
+
+
+def _options(cls: Any, value: Any, name: str) -> Any:
+    value = _mapping(value, name)
+    try:
+        return cls(**value)
+    except TypeError as exc:
+        raise ValueError(f"{name}: {exc}") from None
+
+
+def read_config(state: Any) -> tuple[int, int, QuadraticCost, RankChoice, Buckets, Rounds]:
+    """The pool, cost model and options of a state of version 1 or 2.
+
+    Raises
+    ------
+    ValueError
+        Not a state, an unknown version, or a configuration field out of its rules.
+    """
+    if not isinstance(state, Mapping) or state.get("version") not in (1, STATE_VERSION):
+        raise ValueError(f"state: expected a state_dict of version {STATE_VERSION} (or 1)")
+    cfg = _mapping(state.get("config"), "state.config")
+    try:
+        e = check_int(cfg.get("num_engines"), "state.config.num_engines", min_value=1)
+        r = check_int(cfg.get("ranks_per_engine"), "state.config.ranks_per_engine", min_value=1)
+        cost = QuadraticCost(**_mapping(cfg.get("cost"), "state.config.cost"))
+    except TypeError as exc:
+        raise ValueError(f"state.config: {exc}") from None
+    if state["version"] == 1:
+        keys = CHOICE_KEYWORDS + BUCKET_KEYWORDS + ROUND_KEYWORDS
+        flat = {k: cfg[k] for k in keys if k in cfg}
+        # Version 1 saved the rule in force (states older than the lockstep rule: none, and
+        # least load was the only rule); the lockstep fields are kept only under that rule.
+        flat.setdefault("rank_rule", "least_load")
+        if flat.pop("context_parallel", False):
+            flat["context_parallel"] = True
+        if flat["rank_rule"] != "lockstep":
+            flat.pop("step_budget_s", None)
+            flat.pop("growth_weight", None)
+            flat.pop("idle_growth_weight", None)
+        try:
+            choice, buckets, rounds = from_keywords(flat, None, None, None, warn=False)
+        except TypeError as exc:
+            raise ValueError(f"state.config: {exc}") from None
+        return e, r, cost, choice, buckets, rounds
+    choice = _options(RankChoice, cfg.get("choice"), "state.config.choice")
+    buckets = _options(Buckets, cfg.get("buckets"), "state.config.buckets")
+    rounds = _options(Rounds, cfg.get("rounds"), "state.config.rounds")
+    return e, r, cost, choice, buckets, rounds
+
+
+def _real(value: Any, name: str, **kw: Any) -> float:
+    try:
+        return check_real(value, name, **kw)
+    except TypeError as exc:
+        raise ValueError(str(exc)) from None
+
+
+def _floats(value: Any, name: str, n: int) -> np.ndarray:
+    arr = as_float_array(value, name, shape=(n,), nonnegative=True)
+    if not np.isfinite(arr).all():
+        raise ValueError(f"{name}: must be finite")
+    return arr
+
+
+def _requests(rows: Any, n: int, quota: Any) -> list[tuple[Any, int, int, int, int, float]]:
+    if not isinstance(rows, list):
+        raise ValueError(f"state.requests: must be a list, got {type(rows).__name__}")
+    out = []
+    seen: set[Any] = set()
+    for i, row in enumerate(rows):
+        name = f"state.requests[{i}]"
+        if not isinstance(row, (list, tuple)) or len(row) != 6:
+            raise ValueError(f"{name}: must be [id, rank, total, cached, done, quota]")
+        rid, rank, total, cached, done, q = row
+        if type(rid) not in (int, str):
+            raise ValueError(f"{name}: the id must be an int or a str, got {rid!r}")
+        if rid in seen:
+            raise ValueError(f"state: request {rid!r} appears twice")
+        seen.add(rid)
+        rank = check_int(rank, f"{name}.rank", min_value=0, max_value=n - 1)
+        total = check_int(total, f"{name}.total", min_value=1)
+        cached = check_int(cached, f"{name}.cached", min_value=0, max_value=total)
+        done = check_int(done, f"{name}.done", min_value=0, max_value=total - cached)
+        q = _real(q, f"{name}.quota", min_value=0.0)
+        want = quota(total - cached - done, cached + done)
+        if not math.isclose(q, want, rel_tol=1e-12, abs_tol=0.0):
+            raise ValueError(f"{name}.quota: {q} is not the remaining quota {want} of its tokens")
+        out.append((rid, rank, total, cached, done, q))
+    return out
+
+
+def read_state(
+    s: Any, num_engines: int, ranks_per_engine: int, num_buckets: int, quota: Any
+) -> dict[str, Any]:
+    """Check the ``state`` part of a saved balancer and return its fields as arrays and lists.
+
+    ``quota(remaining, prefix)`` is the balancer's remaining-quota function (the saved quotas
+    must be it). Checks shapes, ranges and the consistency of the parts: each request on an
+    engine in service, each draining engine holding a request, the saved rank loads equal to
+    the sums of their requests' quotas, the counters adding up.
+
+    Raises
+    ------
+    ValueError
+        Naming the first field that breaks a rule.
+    """
+    s = _mapping(s, "state.state")
+    e, nb, n = num_engines, num_buckets, num_engines * ranks_per_engine
+    try:
+        home = as_int_array(s.get("engine_bucket"), "state.engine_bucket", shape=(e,),
+                            min_value=0, max_value=nb - 1)  # fmt: skip
+        eng_state = as_int_array(s.get("engine_state"), "state.engine_state", shape=(e,),
+                                 min_value=0, max_value=OUT)  # fmt: skip
+        seq = as_int_array(s.get("seq"), "state.seq", shape=(e,), min_value=-1)
+        last = s.get("last_move_s")
+        if not isinstance(last, list) or len(last) != e:
+            raise ValueError(f"state.last_move_s: must be a list of {e} times or None")
+        last_move = np.asarray(
+            [-np.inf if t is None else _real(t, "state.last_move_s") for t in last],
+            dtype=np.float64,
+        )
+        load = _floats(s.get("rank_load"), "state.rank_load", n)
+        round_quota = _floats(s.get("round_quota"), "state.round_quota", nb)
+        demand = _floats(s.get("demand"), "state.demand", nb)
+        round_start = _real(s.get("round_start_s"), "state.round_start_s")
+        drift_last = _real(s.get("drift_last_s"), "state.drift_last_s", min_value=0.0)
+        drift_max = _real(s.get("drift_max_s"), "state.drift_max_s", min_value=0.0)
+        counts_in = _mapping(s.get("counts"), "state.counts")
+        counts = {
+            k: check_int(counts_in.get(k, 0), f"state.counts.{k}", min_value=0) for k in COUNTERS
+        }
+        requests = _requests(s.get("requests"), n, quota)
+    except TypeError as exc:
+        raise ValueError(str(exc)) from None
+    held = np.zeros(e, dtype=np.int64)
+    sums: list[list[float]] = [[] for _ in range(n)]
+    for i, (rid, rank, *_, q) in enumerate(requests):
+        engine = rank // ranks_per_engine
+        if eng_state[engine] == OUT:
+            raise ValueError(f"state.requests[{i}]: request {rid!r} is on engine {engine}, "
+                             "which is out of service")  # fmt: skip
+        held[engine] += 1
+        sums[rank].append(q)
+    for engine in np.flatnonzero((eng_state == DRAINING) & (held == 0)).tolist():
+        raise ValueError(f"state.engine_state: engine {engine} drains but holds no request")
+    for f in range(n):
+        total = math.fsum(sums[f])
+        if abs(load[f] - total) > _LOAD_RTOL * max(total, 1e-300) * (len(sums[f]) + 1):
+            raise ValueError(
+                f"state.rank_load: rank {f} has load {load[f]}, its requests' quotas sum to "
+                f"{total} (inconsistent state)"
+            )
+    if counts["routed"] != len(requests) + counts["finished"] + counts["handed_back"]:
+        raise ValueError("state.counts: routed must equal queued + finished + handed_back")
+    rng = _mapping(s.get("rng"), "state.rng")
+    return {
+        "home": home, "state": eng_state.astype(np.int8), "seq": seq, "last_move": last_move,
+        "load": load, "round_quota": round_quota.tolist(), "demand": demand,
+        "round_start": round_start, "drift_last": drift_last, "drift_max": drift_max,
+        "counts": counts, "requests": requests, "rng": rng,
+    }  # fmt: skip
