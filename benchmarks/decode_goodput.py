@@ -14,9 +14,12 @@ arrivals' span without its first quarter), the TPOT percentiles, the waits and p
 with migration, the moves and KV tokens moved.
 
 Rows: every policy of :data:`lbkit.sim.policies_decode.DECODE_POLICIES` (``lbkit`` is
-``DecodeBalancer`` with its default arguments), and the variants of lbkit's rule that
-:class:`~lbkit.decode.DecodeBalancer` offers (``policy``: sum of squares, min-max, cost; ``scale``)
-without and with migration (``rebalance`` of a few requests at every arrival). A migrated
+``DecodeBalancer`` with its default arguments, ``rebalance()`` before every routing decision), the
+variants of lbkit's rule that :class:`~lbkit.decode.DecodeBalancer` offers (``policy``: sum of
+squares, min-max, cost; ``scale``) admission-only and with each kind of migration (room for a
+waiting request, balance moves; :data:`VARIANTS`), and the reference ``pooled (perfect
+balance)``: the engine as one rank at its mean load, without fragmentation of the KV capacity
+(every step costs the mean rank; see :func:`pooled_cost`). A migrated
 request's KV transfer is charged: it stops decoding for ``MIGRATION_LATENCY_S +
 KV_BYTES_PER_TOKEN * kv_tokens / LINK_BYTES_PER_S`` (DeepSeek-V3's MLA cache in BF16, 70,272
 bytes per token: 61 layers x 576 values x 2 bytes; one 400 Gb/s RDMA NIC per GPU, 50 GB/s at
@@ -92,17 +95,21 @@ GUESS_BATCH = 48.0
 #: The reference row: the engine as one rank at its mean load (see :func:`pooled_cost`).
 POOLED = "pooled (perfect balance)"
 
-#: lbkit variants: row name -> DecodeBalancer options and simulator migration options.
+#: Admission only: no ``rebalance`` calls.
+_ADMIT = {"max_migrations": 0, "make_room": False}
+#: lbkit variants: row name -> DecodeBalancer options (``rebalance()`` before every routing
+#: decision unless both migrations are off). The ``lbkit`` row is the defaults: ``min_max``,
+#: room and one balance move.
 VARIANTS: dict[str, dict[str, Any]] = {
-    "sum_of_squares": {"balancer": {"policy": "sum_of_squares"}},
-    "sum_of_squares/capacity": {"balancer": {"policy": "sum_of_squares", "scale": "capacity"}},
-    "min_max": {"balancer": {"policy": "min_max"}},
-    "min_max/capacity": {"balancer": {"policy": "min_max", "scale": "capacity"}},
-    "cost": {"balancer": {"policy": "cost"}},
-    "sum_of_squares+mig1": {"balancer": {"policy": "sum_of_squares"}, "every_s": 0.0, "moves": 1},
-    "sum_of_squares+mig4": {"balancer": {"policy": "sum_of_squares"}, "every_s": 0.0, "moves": 4},
-    "min_max+mig1": {"balancer": {"policy": "min_max"}, "every_s": 0.0, "moves": 1},
-    "min_max+mig4": {"balancer": {"policy": "min_max"}, "every_s": 0.0, "moves": 4},
+    "sum_of_squares": {"policy": "sum_of_squares", **_ADMIT},
+    "sum_of_squares/capacity": {"policy": "sum_of_squares", "scale": "capacity", **_ADMIT},
+    "min_max": {"policy": "min_max", **_ADMIT},
+    "min_max/capacity": {"policy": "min_max", "scale": "capacity", **_ADMIT},
+    "cost": {"policy": "cost", **_ADMIT},
+    "min_max+balance": {"policy": "min_max", "max_migrations": 1, "make_room": False},
+    "min_max+room": {"policy": "min_max", "max_migrations": 0, "make_room": True},
+    "min_max+room+balance4": {"policy": "min_max", "max_migrations": 4, "make_room": True},
+    "sum_of_squares+room+balance": {"policy": "sum_of_squares"},
 }
 
 
@@ -120,10 +127,20 @@ def _load_avg() -> list[float] | None:
 def _commit() -> str | None:
     # The checkout measured (``+dirty``: with uncommitted changes under src).
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                              capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "src"], cwd=ROOT,
-                               capture_output=True, text=True, check=True).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "src"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
     return head + ("+dirty" if dirty else "")  # fmt: skip
@@ -134,10 +151,8 @@ def _factory(row: str) -> Callable[[], Any] | str:
     if row in DECODE_POLICIES:
         return row
     v = VARIANTS[row]
-    mig = {}
-    if "every_s" in v:
-        mig = {"migrate_every_s": v["every_s"], "max_migrations": v["moves"]}
-    return lambda: LbkitDecode(ENGINES, RANKS, rng=SEED, **mig, **v["balancer"])
+    every = None if v.get("max_migrations", 1) == 0 and not v.get("make_room", True) else 0.0
+    return lambda: LbkitDecode(ENGINES, RANKS, rng=SEED, migrate_every_s=every, **v)
 
 
 def pooled_cost() -> DecodeCost:
@@ -245,8 +260,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--traces", metavar="LIST", help=f"of {', '.join(TRACE_FILES)} (default all)")
     rows_known = [*DECODE_POLICIES, *VARIANTS, POOLED]
     ap.add_argument("--rows", metavar="LIST", help=f"of {', '.join(rows_known)} (default all)")
-    ap.add_argument("--max-requests", type=int, metavar="N",
-                    help="replay only the first N requests of every trace")
+    ap.add_argument(
+        "--max-requests",
+        type=int,
+        metavar="N",
+        help="replay only the first N requests of every trace",
+    )
     ap.add_argument("--trace-dir", type=Path, default=TRACES, metavar="DIR",
                     help="folder of the public traces (default ../shared/traces)")  # fmt: skip
     args = ap.parse_args(argv)
@@ -297,9 +316,17 @@ def main(argv: list[str] | None = None) -> int:
         best_peer = max((res[p]["requests_per_s"] for p in peers if p in res), default=None)
         for g in res.values():
             g["vs_best_peer"] = g["requests_per_s"] / best_peer if best_peer else None
-        out["scenarios"].append({"trace": name, "source": trace.source, "requests": len(trace),
-                                 "start_rate": rate0, "best_peer_requests_per_s": best_peer,
-                                 "wall_s": round(time.perf_counter() - t0, 1), "goodput": res})
+        out["scenarios"].append(
+            {
+                "trace": name,
+                "source": trace.source,
+                "requests": len(trace),
+                "start_rate": rate0,
+                "best_peer_requests_per_s": best_peer,
+                "wall_s": round(time.perf_counter() - t0, 1),
+                "goodput": res,
+            }
+        )
         _save(out, args.json, start, done=False)
     _save(out, args.json, start, done=True)
     return 0

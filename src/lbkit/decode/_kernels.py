@@ -42,6 +42,7 @@ __all__ = [
     "SUM_OF_SQUARES",
     "assign_sequence",
     "choose",
+    "make_room",
     "migrate",
     "place",
     "score_means",
@@ -319,6 +320,117 @@ def migrate(X, rank, kv, moved, bhat, shat, max_moves, out_req, out_dst):
     return done
 
 
+@jit
+def _room_source(X, s, grow, tried):
+    """The untried eligible rank able to hold ``s`` with the smallest (KV deficit, batch
+    deficit, index); returns ``(rank, kv deficit, batch deficit)``, rank -1 when none is left."""
+    n = X.shape[1]
+    src = -1
+    best_d = np.inf
+    best_e = np.inf
+    for r in range(n):
+        if tried[r] or X[4, r] <= 0.0 or X[3, r] < s or X[2, r] < 1.0:
+            continue
+        d = X[1, r] + s + grow * (X[0, r] + 1.0) - X[3, r]
+        e = X[0, r] + 1.0 - X[2, r]
+        if d < best_d or (d == best_d and e < best_e):
+            src = r
+            best_d = d
+            best_e = e
+    return src, best_d, best_e
+
+
+@jit
+def _room_pick(rank, kv, src, skip, d):
+    """The request of ``src`` that leaves next: the smallest KV covering ``d``, else the largest
+    (the smallest when ``d <= 0``); lowest index among equals; -1 when none is left."""
+    pick = -1
+    for i in range(rank.shape[0]):
+        if rank[i] != src or skip[i]:
+            continue
+        if pick < 0:
+            pick = i
+            continue
+        a = kv[i]
+        b = kv[pick]
+        if d > 0.0:
+            better = (d <= a < b) if b >= d else a > b
+        else:
+            better = a < b
+        if better:
+            pick = i
+    return pick
+
+
+@jit
+def make_room(X, rank, kv, s, P, grow, max_moves, tries, out_req, out_dst):
+    """Moves that free one rank for a request of ``s`` KV tokens (see ``migration.plan_room``).
+
+    Sources are tried in increasing order of (KV deficit ``S + s + grow*(B + 1) - cap_S``,
+    batch deficit ``B + 1 - cap_B``, index) among the eligible ranks able to hold ``s``
+    (``cap_S >= s``, ``cap_B >= 1``), at most ``tries`` of them. On a source, while a deficit
+    remains, the request picked by ``_room_pick`` leaves; a move takes ``kv + grow`` off the KV
+    deficit and one off the batch deficit. Its target is ``choose`` of policy ``P`` (cursor 0,
+    the ledger rows) over the other ranks; a request that fits nowhere is passed over. A source
+    whose deficit cannot be covered within ``max_moves`` moves is rolled back and the next one
+    tried. ``rank`` and the ledger rows of ``X`` are updated in place with the moves of the
+    source that succeeded. Returns ``(moves, source, complete)``: ``source`` is the rank freed
+    (the last one tried when none could be; -1 when no rank can hold ``s``).
+    """
+    n = X.shape[1]
+    m = rank.shape[0]
+    tried = np.zeros(n, dtype=np.bool_)
+    skip = np.zeros(m, dtype=np.bool_)
+    code = int(P[0])
+    last = -1
+    for _ in range(tries):
+        src, d, e = _room_source(X, s, grow, tried)
+        if src < 0:
+            break
+        last = src
+        tried[src] = True
+        for i in range(m):
+            skip[i] = False
+        X[4, src] = 0.0  # no move goes back to the source
+        done = 0
+        ok = True
+        while d > 0.0 or e > 0.0:
+            pick = _room_pick(rank, kv, src, skip, d)
+            if done >= max_moves or pick < 0:
+                ok = False
+                break
+            k = kv[pick]
+            bhat, shat = score_means(X, 1.0, k, False)
+            g = choose(
+                X, k, k, code, P[1] > 0.0, bhat, shat, P[2], P[3], P[4], P[5] > 0.0, 0, False
+            )
+            skip[pick] = True
+            if g < 0:
+                continue
+            X[0, src] -= 1.0
+            X[1, src] -= k
+            X[0, g] += 1.0
+            X[1, g] += k
+            rank[pick] = g
+            out_req[done] = pick
+            out_dst[done] = g
+            done += 1
+            d -= k + grow
+            e -= 1.0
+        X[4, src] = 1.0
+        if ok:
+            return done, src, True
+        for t in range(done - 1, -1, -1):  # roll back this source's moves
+            i = out_req[t]
+            g = out_dst[t]
+            X[0, g] -= 1.0
+            X[1, g] -= kv[i]
+            X[0, src] += 1.0
+            X[1, src] += kv[i]
+            rank[i] = src
+    return 0, last, False
+
+
 def warmup() -> None:
     """Compile every kernel of this module on tiny inputs."""
     X = np.zeros((NUM_ROWS, 3))
@@ -336,3 +448,5 @@ def warmup() -> None:
     X[0, 0], X[1, 0] = 2.0, 5.0
     rank = np.zeros(2, dtype=np.int64)
     migrate(X, rank, kv, np.zeros(2, dtype=np.bool_), 1.0, 2.5, 1, out, out.copy())
+    X[3] = 6.0
+    make_room(X, np.zeros(2, dtype=np.int64), kv, 4.0, P, 0.0, 2, 2, out, out.copy())
