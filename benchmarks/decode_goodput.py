@@ -108,7 +108,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "cost": {"policy": "cost", **_ADMIT},
     "min_max+balance": {"policy": "min_max", "max_migrations": 1, "make_room": False},
     "min_max+room": {"policy": "min_max", "max_migrations": 0, "make_room": True},
-    "min_max+room+balance4": {"policy": "min_max", "max_migrations": 4, "make_room": True},
     "sum_of_squares+room+balance": {"policy": "sum_of_squares"},
 }
 
