@@ -33,6 +33,7 @@ Usage::
 
     python benchmarks/decode_goodput.py --json benchmarks/results/decode_goodput.json
     python benchmarks/decode_goodput.py --max-requests 3000 --traces mooncake --rows lbkit,min_max
+    python benchmarks/decode_goodput.py --render benchmarks/results/decode_goodput.json
 
 Progress goes to stderr. The JSON records the command, the commit, the machine's load average
 before and after and the wall time of every scenario (the machine is shared: wall times are
@@ -253,9 +254,33 @@ def _csv(text: str | None, known, what: str) -> list[str]:
     return names
 
 
+def render(data: dict[str, Any]) -> str:
+    """The markdown table of a results file: goodput (req/s) per row and trace, and vs the best
+    peer, with the running requests per rank and the moves at that rate."""
+    scen = data["scenarios"]
+    rows = list(scen[0]["goodput"]) if scen else []
+    head = ["policy", *(f"{s['trace']} req/s (vs best peer; running/rank; moves)" for s in scen)]
+    out = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * len(scen)]
+    for row in rows:
+        cells = [row]
+        for s in scen:
+            g = s["goodput"].get(row)
+            if g is None:
+                cells.append("")
+                continue
+            vs = g.get("vs_best_peer")
+            run = g.get("mean_running_per_rank")
+            cells.append(f"{g['requests_per_s']:.1f} ({vs:.3f}; "
+                         f"{run:.1f}; {g.get('migrations', 0):,})")  # fmt: skip
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", type=Path, metavar="PATH", help="write the results here")
+    ap.add_argument("--render", type=Path, metavar="PATH",
+                    help="print the markdown table of a results file and exit")  # fmt: skip
     ap.add_argument("--traces", metavar="LIST", help=f"of {', '.join(TRACE_FILES)} (default all)")
     rows_known = [*DECODE_POLICIES, *VARIANTS, POOLED]
     ap.add_argument("--rows", metavar="LIST", help=f"of {', '.join(rows_known)} (default all)")
@@ -268,6 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace-dir", type=Path, default=TRACES, metavar="DIR",
                     help="folder of the public traces (default ../shared/traces)")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.render is not None:
+        print(render(json.loads(args.render.read_text())))
+        return 0
     if args.max_requests is not None and args.max_requests < 2:
         raise SystemExit(f"--max-requests: must be >= 2, got {args.max_requests}")
     traces = _csv(args.traces, TRACE_FILES, "traces")
