@@ -47,6 +47,7 @@ from lbkit.sim.engine import (
     simulate_prefill,
     utilization_factor,
 )
+from lbkit.sim.bench import MIGRATION_S_PER_KV_TOKEN
 from lbkit.sim.goodput import GoodputSearch, attainment, find_goodput, with_rate
 from lbkit.sim.goodput_options import (
     CACHE_MODES,
@@ -363,6 +364,7 @@ def _decoder(cost: CostPreset, options: GoodputOptions):
                 cost=cost.decode,
                 max_kv_tokens=DECODE_KV_CAPACITY_TOKENS,
                 kv_watermark_tokens=DECODE_KV_WATERMARK_TOKENS,
+                migration_s_per_kv_token=MIGRATION_S_PER_KV_TOKEN,  # lbkit's decode migrates
                 rng=options.seed,
             ),
         )
