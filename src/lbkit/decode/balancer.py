@@ -59,7 +59,7 @@ from lbkit.core.metrics import max_over_mean
 from lbkit.core.validation import as_int_array, as_rng, check_choice, check_int, to_numpy
 from lbkit.decode import _kernels as K
 from lbkit.decode._state import DEFAULT_COST, capacity_iv, params
-from lbkit.decode.migration import ROOM_MAX_MOVES, _plan_on, _room_on
+from lbkit.decode.migration import MIGRATION_SOURCES, ROOM_MAX_MOVES, _plan_on, _room_on
 from lbkit.decode.policies import DEFAULT_POLICY, POLICIES, POLICY_CODES, Decision
 from lbkit.decode.reasons import BATCH_FULL, FULL, KV_FULL, PLACED, REASONS
 
@@ -215,6 +215,10 @@ class DecodeBalancer:
     make_room : bool, default True
         Whether :meth:`rebalance` frees a rank for the last request refused for lack of room
         (see there).
+    migration_sources : {"heaviest", "all"}, default "heaviest"
+        Candidates of a balance move (:func:`~lbkit.decode.plan_migrations`' ``sources``):
+        the requests of the heaviest rank (``O(requests + B * ranks)`` per move, for a call
+        before every admission), or every request (``O(requests * ranks)``).
     rng : numpy Generator, int seed or None
         Randomness of the ``"random"`` policy (``None`` means seed 0).
 
@@ -260,6 +264,7 @@ class DecodeBalancer:
         lookahead_steps: int = 0,
         max_migrations: int = DEFAULT_MAX_MIGRATIONS,
         make_room: bool = True,
+        migration_sources: str = "heaviest",
         rng: np.random.Generator | int | None = None,
     ) -> None:
         n = check_int(num_ranks, "num_ranks", min_value=1)
@@ -267,7 +272,9 @@ class DecodeBalancer:
         if not isinstance(make_room, (bool, np.bool_)):
             raise TypeError(f"make_room: must be a bool, got {type(make_room).__name__}")
         self._make_room = bool(make_room)
+        self._sources = check_choice(migration_sources, "migration_sources", MIGRATION_SOURCES)
         self._room: tuple[Hashable, int] | None = None  # last request refused for lack of room
+        self._room_failed = -1  # releases when room-making last failed (retried after one more)
         check_choice(policy, "policy", tuple(POLICIES))
         h = check_int(lookahead_steps, "lookahead_steps", min_value=0)
         self._P = params(POLICY_CODES[policy], scale, cost, proj=h > 0)
@@ -600,8 +607,8 @@ class DecodeBalancer:
            ``ROOM_MAX_MOVES``, and none unless they free the rank). Until a request is admitted,
            that rank receives no balance move.
         2. *Balance*: up to ``max_moves`` moves of :func:`lbkit.decode.migration.plan_migrations`
-           on the ledger: every running request may move once, to an active rank with room;
-           requests on draining ranks may leave them.
+           on the ledger (candidates: ``migration_sources``): every running request may move
+           once, to an active rank with room; requests on draining ranks may leave them.
 
         The caller transfers each request's KV cache from ``source`` to ``target``. Calling this
         before every admission is what the defaults are measured with (the class notes).
@@ -616,7 +623,9 @@ class DecodeBalancer:
         tuple of Migration
             The moves made, in order (empty when no move is needed).
 
-        Runtime complexity: ``O((moves + room moves) * requests * ranks)``, two numba calls.
+        Runtime complexity: balance moves ``O(moves * (requests + B * ranks))`` (``B`` requests
+        on the heaviest rank; ``O(moves * requests * ranks)`` with ``migration_sources="all"``),
+        room ``O(room moves * (requests + ranks))``; two numba calls.
 
         Examples
         --------
@@ -655,7 +664,8 @@ class DecodeBalancer:
             return ()
         out: list[Migration] = []
         reserved = -1
-        if self._make_room and self._room is not None:
+        released = self._counts["finished"] + self._counts["aborted"] + self._counts["handed_back"]
+        if self._make_room and self._room is not None and released != self._room_failed:
             X = self._X.copy()
             rank = self._slots[_RANK, used]  # a copy (fancy indexing)
             room = _room_on(
@@ -666,14 +676,17 @@ class DecodeBalancer:
                 reserved = room.rank
                 for i, dst in zip(room.request.tolist(), room.target.tolist(), strict=True):
                     out.append(self._moved(int(used[i]), dst))
+            else:  # no room to be made until a request leaves
+                self._room_failed = released
         if moves:
             X = self._X.copy()
             if reserved >= 0:
                 X[K.ROW_OK, reserved] = 0.0
             # The ledger is the plan's state matrix: counts, KV, capacities, eligibility.
             plan = _plan_on(
-                self._slots[_RANK, used], self._slots[_KV, used].astype(np.float64), X, moves
-            )
+                self._slots[_RANK, used], self._slots[_KV, used].astype(np.float64), X, moves,
+                self._sources == "heaviest", False,
+            )  # fmt: skip
             for i, dst in zip(plan.request.tolist(), plan.target.tolist(), strict=True):
                 out.append(self._moved(int(used[i]), dst))
         return tuple(out)
@@ -890,6 +903,7 @@ class DecodeBalancer:
                 "lookahead_steps": self._h,
                 "max_migrations": self._max_moves,
                 "make_room": self._make_room,
+                "migration_sources": self._sources,
             },
             "state": {
                 "rank_state": self._state.tolist(),

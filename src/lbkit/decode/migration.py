@@ -23,16 +23,27 @@ rank the admission rule picks among the others.
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from lbkit.core.validation import as_int_array, check_int
+from lbkit.core.validation import as_int_array, check_choice, check_int
 from lbkit.decode import _kernels as K
 from lbkit.decode._state import limits_iv, params
 from lbkit.decode.policies import DEFAULT_POLICY, POLICY_CODES
 
-__all__ = ["Migrations", "Room", "migration_objective", "plan_migrations", "plan_room"]
+__all__ = [
+    "MIGRATION_SOURCES",
+    "Migrations",
+    "Room",
+    "migration_objective",
+    "plan_migrations",
+    "plan_room",
+]
+
+#: Candidate requests of a balance move: every request, or those of the heaviest rank.
+MIGRATION_SOURCES = ("all", "heaviest")
 
 
 class Migrations(NamedTuple):
@@ -106,11 +117,15 @@ def plan_migrations(
     eligible: Any = None,
     max_batch: Any = None,
     max_kv_tokens: Any = None,
+    sources: str = "all",
 ) -> Migrations:
     """Moves of running decode requests that lower ``F`` (module docstring) most, greedily.
 
     Each step makes the single move with the most negative change of ``F`` (lowest request
-    index, then lowest rank, among equals); a moved request stays put for the rest of the plan;
+    index, then lowest rank, among equals) among the candidates: every request with
+    ``sources="all"``, the requests of the heaviest rank (largest ``(B_r/Bhat)^2 +
+    (S_r/Shat)^2`` among ranks holding a request that may move, lowest index among equals)
+    with ``sources="heaviest"``; a moved request stays put for the rest of the plan;
     steps stop after ``max_moves`` or when no move lowers ``F``. Moves only go to eligible ranks
     with room (``max_batch``, ``max_kv_tokens``); requests on ineligible ranks may leave them
     (a draining rank empties when that lowers ``F``).
@@ -129,6 +144,9 @@ def plan_migrations(
         False for ranks that may not receive requests.
     max_batch, max_kv_tokens : int or array_like of int, shape (num_ranks,), optional
         Capacities a receiving rank must stay within; ``None`` means no limit.
+    sources : {"all", "heaviest"}, default "all"
+        Candidate requests of each move (see above): ``"heaviest"`` costs ``O(requests +
+        B_a * ranks)`` per move instead of ``O(requests * ranks)``.
 
     Returns
     -------
@@ -160,15 +178,23 @@ def plan_migrations(
     rank, kv, X, moves = _plan_migrations_iv(
         request_rank, request_kv_tokens, num_ranks, max_moves, eligible, max_batch, max_kv_tokens
     )
-    return _plan_on(rank, kv, X, moves)
+    check_choice(sources, "sources", MIGRATION_SOURCES)
+    return _plan_on(rank, kv, X, moves, sources == "heaviest")
 
 
-def _plan_on(rank: np.ndarray, kv: np.ndarray, X: np.ndarray, moves: int) -> Migrations:
+def _plan_on(
+    rank: np.ndarray,
+    kv: np.ndarray,
+    X: np.ndarray,
+    moves: int,
+    heaviest: bool = False,
+    objectives: bool = True,
+) -> Migrations:
     """:func:`plan_migrations` on clean arrays: ``rank`` (int64) and ``kv`` (float64) per request
     (``rank`` becomes the ranks after the moves), ``X`` a state matrix of the kernels whose
     ledger rows agree with them (``ROW_B``/``ROW_S`` are updated; capacities and eligibility
-    read)."""
-    before = migration_objective(X[K.ROW_B], X[K.ROW_S])
+    read). Without ``objectives`` the objectives are ``nan`` (the router path skips them)."""
+    before = migration_objective(X[K.ROW_B], X[K.ROW_S]) if objectives else math.nan
     n_req = rank.shape[0]
     bhat = X[K.ROW_B].mean()
     shat = X[K.ROW_S].mean()
@@ -180,12 +206,11 @@ def _plan_on(rank: np.ndarray, kv: np.ndarray, X: np.ndarray, moves: int) -> Mig
         # A zero mean contributes nothing to F: any positive scale leaves its term at 0 change.
         done = K.migrate(
             X, rank, kv, np.zeros(n_req, dtype=np.bool_), bhat, shat if shat > 0 else 1.0,
-            len(out_req), out_req, out_dst,
+            len(out_req), out_req, out_dst, heaviest,
         )  # fmt: skip
     req = out_req[:done]
-    return Migrations(
-        req, src[req], out_dst[:done].copy(), before, migration_objective(X[K.ROW_B], X[K.ROW_S])
-    )
+    after = migration_objective(X[K.ROW_B], X[K.ROW_S]) if objectives else math.nan
+    return Migrations(req, src[req], out_dst[:done].copy(), before, after)
 
 
 class Room(NamedTuple):
