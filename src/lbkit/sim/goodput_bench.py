@@ -40,6 +40,7 @@ import numpy as np
 
 from lbkit.core.cost import CostPreset
 from lbkit.core.validation import check_choice, check_int, check_real
+from lbkit.sim.bench import MIGRATION_S_PER_KV_TOKEN
 from lbkit.sim.engine import (
     DECODE_KV_CAPACITY_TOKENS,
     DECODE_KV_WATERMARK_TOKENS,
@@ -47,7 +48,6 @@ from lbkit.sim.engine import (
     simulate_prefill,
     utilization_factor,
 )
-from lbkit.sim.bench import MIGRATION_S_PER_KV_TOKEN
 from lbkit.sim.goodput import GoodputSearch, attainment, find_goodput, with_rate
 from lbkit.sim.goodput_options import (
     CACHE_MODES,
