@@ -49,7 +49,6 @@ import json
 import math
 import os
 import platform
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -69,16 +68,10 @@ from lbkit.sim.goodput import DEFAULT_SLO, attainment, find_goodput, with_rate
 from lbkit.sim.metrics import decode_metrics
 from lbkit.sim.policies_decode import DECODE_POLICIES, DEFAULT_DECODE_POLICY, LbkitDecode
 from lbkit.sim.workload import default_workload
+from run_record import PUBLIC_TRACES, ROOT, TRACES, csv_names, git_commit, load_avg, log
 
-ROOT = Path(__file__).resolve().parents[1]
-#: Where the public traces live (``--trace-dir``): the steering repository's shared folder.
-TRACES = ROOT / ".." / "shared" / "traces"
-#: Trace name -> file under the trace folder (``None``: the built-in workload).
-TRACE_FILES = {
-    "mooncake": "mooncake_conversation/conversation_trace.jsonl",
-    "azure": "azure_llm_2023_conv/AzureLLMInferenceTrace_conv.csv",
-    "default": None,
-}
+#: Trace name -> file under ``--trace-dir`` (default ``TRACES``; ``None``: the built-in workload).
+TRACE_FILES = PUBLIC_TRACES
 COST = "h800_dsv3"
 ENGINES, RANKS = 1, 64
 SEED = 0
@@ -111,39 +104,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "min_max+room": {"policy": "min_max", "max_migrations": 0, "make_room": True},
     "sum_of_squares+room+balance": {"policy": "sum_of_squares"},
 }
-
-
-def _log(msg: str, start: float) -> None:
-    print(f"[{time.perf_counter() - start:7.1f} s] {msg}", file=sys.stderr, flush=True)
-
-
-def _load_avg() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
-
-
-def _commit() -> str | None:
-    # The checkout measured (``+dirty``: with uncommitted changes under src).
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "src"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return head + ("+dirty" if dirty else "")  # fmt: skip
 
 
 def _factory(row: str) -> Callable[[], Any] | str:
@@ -243,17 +203,6 @@ def _trace(name: str, path: Path | None, max_requests: int | None):
     return trace if max_requests is None else trace.head(max_requests)
 
 
-def _csv(text: str | None, known, what: str) -> list[str]:
-    if text is None:
-        return list(known)
-    names = [t.strip() for t in text.split(",") if t.strip()]
-    bad = [n for n in names if n not in known]
-    if bad or not names:
-        raise SystemExit(f"--{what}: unknown {bad[0] if bad else '(empty)'!r}; "
-                         f"choose from {', '.join(known)}")  # fmt: skip
-    return names
-
-
 def render(data: dict[str, Any]) -> str:
     """The markdown table of a results file: goodput (req/s) per row and trace, and vs the best
     peer, with the running requests per rank and the moves at that rate."""
@@ -298,17 +247,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.max_requests is not None and args.max_requests < 2:
         raise SystemExit(f"--max-requests: must be >= 2, got {args.max_requests}")
-    traces = _csv(args.traces, TRACE_FILES, "traces")
-    rows = _csv(args.rows, rows_known, "rows")
+    traces = csv_names(args.traces, TRACE_FILES, "traces")
+    rows = csv_names(args.rows, rows_known, "rows")
     peers = [r for r in DECODE_POLICIES if r != DEFAULT_DECODE_POLICY]
     start = time.perf_counter()
     out: dict[str, Any] = {
         "command": " ".join(["python", "benchmarks/decode_goodput.py",
                              *(sys.argv[1:] if argv is None else argv)]),
         "started": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        "commit": _commit(),
+        "commit": git_commit(ROOT),
         "machine": {"python": platform.python_version(), "cpu_count": os.cpu_count(),
-                    "load_avg_start": _load_avg()},
+                    "load_avg_start": load_avg()},
         "options": {
             "cost": COST, "decode": f"{ENGINES} x {RANKS}", "slo_tpot_s": DEFAULT_SLO.tpot_s,
             "attainment": DEFAULT_SLO.attainment, "rel_tol": REL_TOL, "seed": SEED,
@@ -325,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in traces:
         path = None if TRACE_FILES[name] is None else args.trace_dir / TRACE_FILES[name]
         if path is not None and not path.exists():
-            _log(f"{name}: {path} not found, skipped", start)
+            log(f"{name}: {path} not found, skipped", start)
             continue
         trace = _trace(name, path, args.max_requests)
         rate0 = start_rate(trace)
@@ -336,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
             res[row] = goodput(trace, row, rate0)
             res[row]["wall_s"] = round(time.perf_counter() - t1, 1)
             g = res[row]
-            _log(f"{name} {row}: {g['requests_per_s']:.2f} req/s, running/rank "
+            log(f"{name} {row}: {g['requests_per_s']:.2f} req/s, running/rank "
                  f"{g.get('mean_running_per_rank', math.nan):.1f}, tpot p99 "
                  f"{1e3 * g.get('tpot_p99_s', math.nan):.1f} ms, moves {g.get('migrations')}, "
                  f"{g['wall_s']} s", start)  # fmt: skip
@@ -362,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
 def _save(out: dict, path: Path | None, start: float, *, done: bool) -> None:
     # Written after every scenario (``complete`` false until the end).
     out["complete"] = done
-    out["machine"]["load_avg_end"] = _load_avg()
+    out["machine"]["load_avg_end"] = load_avg()
     out["wall_s"] = round(time.perf_counter() - start, 1)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)

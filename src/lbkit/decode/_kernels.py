@@ -269,6 +269,15 @@ def assign_sequence(X, kv, order, P, bhat, shat, cursor, keys, out):
 
 
 @jit
+def _shift(X, a, b, s):
+    """Move one request of ``s`` KV tokens from rank ``a`` to rank ``b`` in the ledger rows."""
+    X[0, a] -= 1.0
+    X[1, a] -= s
+    X[0, b] += 1.0
+    X[1, b] += s
+
+
+@jit
 def migrate(X, rank, kv, moved, bhat, shat, max_moves, out_req, out_dst, heaviest=False):
     """Greedy migrations (see ``migration.plan_migrations``); returns how many were made.
 
@@ -326,10 +335,7 @@ def migrate(X, rank, kv, moved, bhat, shat, max_moves, out_req, out_dst, heavies
         if bi < 0 or best > -1e-12:
             break
         a = rank[bi]
-        X[0, a] -= 1.0
-        X[1, a] -= kv[bi]
-        X[0, bb] += 1.0
-        X[1, bb] += kv[bi]
+        _shift(X, a, bb, kv[bi])
         rank[bi] = bb
         moved[bi] = True
         out_req[done] = bi
@@ -432,10 +438,7 @@ def make_room(X, rank, kv, s, P, grow, max_moves, tries, out_req, out_dst):
             skip[pick] = True
             if g < 0:
                 continue
-            X[0, src] -= 1.0
-            X[1, src] -= k
-            X[0, g] += 1.0
-            X[1, g] += k
+            _shift(X, src, g, k)
             rank[pick] = g
             out_req[done] = pick
             out_dst[done] = g
@@ -448,10 +451,7 @@ def make_room(X, rank, kv, s, P, grow, max_moves, tries, out_req, out_dst):
         for t in range(done - 1, -1, -1):  # roll back this source's moves
             i = out_req[t]
             g = out_dst[t]
-            X[0, g] -= 1.0
-            X[1, g] -= kv[i]
-            X[0, src] += 1.0
-            X[1, src] += kv[i]
+            _shift(X, g, src, kv[i])
             rank[i] = src
     return 0, last, False
 
