@@ -33,11 +33,12 @@ Usage::
 
     python benchmarks/decode_goodput.py --json benchmarks/results/decode_goodput.json
     python benchmarks/decode_goodput.py --max-requests 3000 --traces mooncake --rows lbkit,min_max
-    python benchmarks/decode_goodput.py --render benchmarks/results/decode_goodput.json
+    python benchmarks/decode_goodput.py --tables benchmarks/results/decode_goodput.json
 
 Progress goes to stderr. The JSON records the command, the commit, the machine's load average
 before and after and the wall time of every scenario (the machine is shared: wall times are
-noisy).
+noisy), and the table that ``docs/simulator.md`` quotes ("Decode goodput at SLO";
+``benchmarks/make_performance.py --render-only`` splices it).
 """
 
 from __future__ import annotations
@@ -203,33 +204,36 @@ def _trace(name: str, path: Path | None, max_requests: int | None):
     return trace if max_requests is None else trace.head(max_requests)
 
 
-def render(data: dict[str, Any]) -> str:
-    """The markdown table of a results file: goodput (req/s) per row and trace, and vs the best
-    peer, with the running requests per rank and the moves at that rate."""
+#: Title of the table that ``docs/simulator.md`` quotes (``benchmarks/make_performance.py``).
+TABLE_TITLE = "Decode goodput at TPOT 50 ms (decode-only replay, 1 x 64 ranks)"
+
+
+def tables(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """The quoted table of a results file: per row and trace the goodput (requests/s), its ratio
+    to the best peer, the running requests per rank and the moves at that rate."""
     scen = data["scenarios"]
-    rows = list(scen[0]["goodput"]) if scen else []
-    head = ["policy", *(f"{s['trace']} req/s (vs best peer; running/rank; moves)" for s in scen)]
-    out = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * len(scen)]
-    for row in rows:
-        cells = [row]
-        for s in scen:
-            g = s["goodput"].get(row)
-            if g is None:
-                cells.append("")
-                continue
-            vs = g.get("vs_best_peer")
-            run = g.get("mean_running_per_rank")
-            cells.append(f"{g['requests_per_s']:.1f} ({vs:.3f}; "
-                         f"{run:.1f}; {g.get('migrations', 0):,})")  # fmt: skip
-        out.append("| " + " | ".join(cells) + " |")
-    return "\n".join(out)
+    cols = ["policy"]
+    for sc in scen:
+        t = sc["trace"]
+        cols += [f"{t} req/s", f"{t} vs best peer", f"{t} running/rank", f"{t} moves"]
+    rows = []
+    for row in scen[0]["goodput"] if scen else []:
+        cells: list[Any] = [row]
+        for sc in scen:
+            g = sc["goodput"].get(row, {})
+            vs, run = g.get("vs_best_peer"), g.get("mean_running_per_rank")
+            cells += [round(g["requests_per_s"], 1), None if vs is None else round(vs, 3),
+                      None if run is None else round(run, 1), g.get("migrations")]  # fmt: skip
+        rows.append(cells)
+    return [{"title": TABLE_TITLE, "columns": cols, "rows": rows}]
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", type=Path, metavar="PATH", help="write the results here")
-    ap.add_argument("--render", type=Path, metavar="PATH",
-                    help="print the markdown table of a results file and exit")  # fmt: skip
+    ap.add_argument("--tables", type=Path, metavar="PATH",
+                    help="rebuild the quoted table of a results file from its scenarios and "
+                    "exit")  # fmt: skip
     ap.add_argument("--traces", metavar="LIST", help=f"of {', '.join(TRACE_FILES)} (default all)")
     rows_known = [*DECODE_POLICIES, *VARIANTS, POOLED]
     ap.add_argument("--rows", metavar="LIST", help=f"of {', '.join(rows_known)} (default all)")
@@ -242,8 +246,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace-dir", type=Path, default=TRACES, metavar="DIR",
                     help="folder of the public traces (default ../shared/traces)")  # fmt: skip
     args = ap.parse_args(argv)
-    if args.render is not None:
-        print(render(json.loads(args.render.read_text())))
+    if args.tables is not None:
+        data = json.loads(args.tables.read_text())
+        data["tables"] = tables(data)
+        args.tables.write_text(json.dumps(data, indent=1) + "\n")
         return 0
     if args.max_requests is not None and args.max_requests < 2:
         raise SystemExit(f"--max-requests: must be >= 2, got {args.max_requests}")
@@ -311,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
 def _save(out: dict, path: Path | None, start: float, *, done: bool) -> None:
     # Written after every scenario (``complete`` false until the end).
     out["complete"] = done
+    out["tables"] = tables(out)
     out["machine"]["load_avg_end"] = load_avg()
     out["wall_s"] = round(time.perf_counter() - start, 1)
     if path is not None:
