@@ -227,8 +227,9 @@ class DecodeBalancer:
     The defaults are what lbkit's measurements run (``benchmarks/decode_goodput.py``, the
     simulator's ``lbkit`` decode policy): the ``"min_max"`` rule, and :meth:`rebalance` called
     before every admission, which makes room for a waiting request and moves one request when
-    that lowers the balance objective. ``policy="sum_of_squares", max_migrations=0,
-    make_room=False`` is the admission-only rule of lbkit 0.x.
+    that lowers the balance objective. The earlier defaults are explicit arguments:
+    ``policy="sum_of_squares", max_migrations=0, make_room=False`` admits only, and
+    ``make_room=False, migration_sources="all"`` makes ``rebalance(k)`` the earlier global plan.
 
     Examples
     --------
