@@ -6,6 +6,7 @@ derandomized so a CI run is reproducible) and ``thorough`` (for a long local run
 """
 
 import os
+import sys
 
 import numpy as np
 from hypothesis import HealthCheck, settings
@@ -27,3 +28,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", _default))
 np.set_printoptions(legacy=False)
 
 collect_ignore = ["src/lbkit/__main__.py"]
+
+# The benchmark scripts import their shared helpers (benchmarks/run_record.py) as a top-level
+# module, as they do when run as ``python benchmarks/NAME.py``; their doctests import them too.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "benchmarks"))

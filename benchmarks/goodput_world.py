@@ -28,7 +28,6 @@ import datetime as _dt
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -46,15 +45,10 @@ from lbkit.sim.goodput_bench import (
 from lbkit.sim.policies import PREFILL_POLICIES
 from lbkit.sim.prefix_cache import capacity_blocks_for
 from lbkit.sim.workload import default_workload
+from run_record import PUBLIC_TRACES, ROOT, TRACES, csv_names, git_commit, load_avg, log
 
-ROOT = Path(__file__).resolve().parents[1]
-TRACES = ROOT / ".." / "shared" / "traces"
 #: Trace name -> file (``None``: the built-in workload).
-TRACE_FILES = {
-    "mooncake": TRACES / "mooncake_conversation" / "conversation_trace.jsonl",
-    "azure": TRACES / "azure_llm_2023_conv" / "AzureLLMInferenceTrace_conv.csv",
-    "default": None,
-}
+TRACE_FILES = {k: None if v is None else TRACES / v for k, v in PUBLIC_TRACES.items()}
 COST = "h800_dsv3"
 #: ``lbkit bench``'s defaults: 8 x 8 prefill ranks, one decode engine of 64, the default SLO,
 #: seed 0 (the cache mode is set per scenario).
@@ -63,51 +57,6 @@ POOLS = OPTIONS.pools
 SEED = OPTIONS.seed
 #: Above this size the saved JSON drops the per-policy (rate, attainment) curves.
 MAX_JSON_BYTES = 2_000_000
-
-
-def _log(msg: str, start: float) -> None:
-    print(f"[{time.perf_counter() - start:7.1f} s] {msg}", file=sys.stderr, flush=True)
-
-
-def _load_avg() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
-
-
-def _commit() -> str | None:
-    # The checkout measured (``+dirty``: with uncommitted changes), so that figures can be
-    # matched with the library code that produced them.
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "src"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return head + ("+dirty" if dirty else "")
-
-
-def _csv(text: str | None, known, what: str) -> list[str]:
-    if text is None:
-        return list(known)
-    names = [t.strip() for t in text.split(",") if t.strip()]
-    bad = [n for n in names if n not in known]
-    if bad or not names:
-        raise SystemExit(f"--{what}: unknown {bad[0] if bad else '(empty)'!r}; "
-                         f"choose from {', '.join(known)}")  # fmt: skip
-    return names
 
 
 def _trace(name: str, args: argparse.Namespace):
@@ -139,9 +88,9 @@ def main(argv: list[str] | None = None) -> int:
         v = getattr(args, opt)
         if v is not None and v < 2:
             raise SystemExit(f"--{opt.replace('_', '-')}: must be >= 2, got {v}")
-    traces = _csv(args.traces, TRACE_FILES, "traces")
-    caches = _csv(args.caches, CACHE_MODES, "caches")
-    policies = _csv(args.policies, PREFILL_POLICIES, "policies")
+    traces = csv_names(args.traces, TRACE_FILES, "traces")
+    caches = csv_names(args.caches, CACHE_MODES, "caches")
+    policies = csv_names(args.policies, PREFILL_POLICIES, "policies")
     cost = PRESETS[COST]
     start = time.perf_counter()
     out = {
@@ -149,11 +98,11 @@ def main(argv: list[str] | None = None) -> int:
         if argv is None
         else " ".join(["python", "benchmarks/goodput_world.py", *argv]),
         "started": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        "commit": _commit(),
+        "commit": git_commit(ROOT),
         "machine": {
             "python": platform.python_version(),
             "cpu_count": os.cpu_count(),
-            "load_avg_start": _load_avg(),
+            "load_avg_start": load_avg(),
         },
         "options": {
             "cost": COST,
@@ -190,10 +139,10 @@ def main(argv: list[str] | None = None) -> int:
             )
         for cache in modes:
             t0 = time.perf_counter()
-            _log(f"{name} cache={cache}: {len(trace):,} requests", start)
+            log(f"{name} cache={cache}: {len(trace):,} requests", start)
 
             def progress(label, done, total, _n=name, _c=cache):
-                _log(f"  {_n}/{_c} {label} ({done}/{total})", start)
+                log(f"  {_n}/{_c} {label} ({done}/{total})", start)
 
             res = run_goodput(
                 prepare_cache(trace, cache),
@@ -217,11 +166,11 @@ def main(argv: list[str] | None = None) -> int:
             out["scenarios"].append(scen)
             ideal = res["ideal"]["requests_per_s"]
             best = max(res["goodput"], key=lambda k: res["goodput"][k]["requests_per_s"])
-            _log(f"{name} cache={cache}: done in {wall:.0f} s; ideal {ideal:.3f} req/s, best "
+            log(f"{name} cache={cache}: done in {wall:.0f} s; ideal {ideal:.3f} req/s, best "
                  f"{best} {res['goodput'][best]['requests_per_s']:.3f}", start)  # fmt: skip
             _save(out, args.json, start, done=False)
     _save(out, args.json, start, done=True)
-    _log(f"all done in {out['wall_s']:.0f} s", start)
+    log(f"all done in {out['wall_s']:.0f} s", start)
     return 0
 
 
@@ -229,7 +178,7 @@ def _save(out: dict, path: Path | None, start: float, *, done: bool) -> None:
     # Written after every scenario (``complete`` false until the end) so that a long run that is
     # stopped keeps what it measured.
     out["complete"] = done
-    out["machine"]["load_avg_end"] = _load_avg()
+    out["machine"]["load_avg_end"] = load_avg()
     out["wall_s"] = round(time.perf_counter() - start, 1)
     if path is None:
         return

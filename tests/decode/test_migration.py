@@ -148,3 +148,60 @@ def test_migrate_kernel_jit_parity(fleet, max_moves):
                req, dst)  # fmt: skip
         outs.append((k, r.tolist(), req[:k].tolist(), dst[:k].tolist(), X.tolist()))
     assert outs[0] == outs[1]
+
+
+def _heaviest(rank, kv, n):
+    b, s = _loads(rank, kv, n)
+    bh = b.mean() if len(rank) else 1.0
+    sh = s.mean() if s.mean() > 0 else 1.0
+    terms = [(b[r] / bh) ** 2 + (s[r] / sh) ** 2 if (rank == r).any() else -1.0 for r in range(n)]
+    return int(np.argmax(terms))  # the first of equal maxima
+
+
+@given(fleets())
+def test_heaviest_sources_make_the_best_move_off_the_heaviest_rank(fleet):
+    rank, kv, n, kw = fleet
+    plan = plan_migrations(rank, kv, num_ranks=n, max_moves=1, sources="heaviest", **kw)
+    before = migration_objective(*_loads(rank, kv, n))
+    assert plan.objective_before == pytest.approx(before)
+    if not len(rank):
+        assert len(plan.request) == 0
+        return
+    src = _heaviest(rank, kv, n)
+    b, s = _loads(rank, kv, n)
+    ok = np.asarray(kw.get("eligible", np.ones(n, dtype=bool)))
+    cap_b = kw.get("max_batch", np.inf)
+    cap_s = np.asarray(kw.get("max_kv_tokens", np.full(n, np.inf)))
+    best = before
+    for i in np.flatnonzero(rank == src):
+        for r in range(n):
+            if r == src or not ok[r] or b[r] + 1 > cap_b or s[r] + kv[i] > cap_s[r]:
+                continue
+            moved = rank.copy()
+            moved[i] = r
+            best = min(best, migration_objective(*_loads(moved, kv, n)))
+    if best < before * (1 - 1e-9):
+        assert len(plan.request) == 1 and plan.source[0] == src
+        assert plan.objective_after == pytest.approx(best, rel=1e-9)
+    else:
+        assert plan.objective_after >= best * (1 - 1e-9)
+
+
+@given(fleets(), st.integers(0, 6))
+def test_heaviest_sources_moves_are_feasible_and_lower_the_objective(fleet, max_moves):
+    rank, kv, n, kw = fleet
+    plan = plan_migrations(rank, kv, num_ranks=n, max_moves=max_moves, sources="heaviest", **kw)
+    assert len(set(plan.request.tolist())) == len(plan.request) <= max_moves
+    now = rank.copy()
+    last = plan.objective_before
+    for i, dst in zip(plan.request, plan.target, strict=True):
+        now[i] = dst
+        value = migration_objective(*_loads(now, kv, n))
+        assert value < last
+        last = value
+    assert np.bincount(now, minlength=n).sum() == len(rank)  # no request lost
+
+
+def test_unknown_sources_are_refused_by_name():
+    with pytest.raises(ValueError, match="sources"):
+        plan_migrations([0], [1], num_ranks=2, max_moves=1, sources="lightest")

@@ -45,11 +45,11 @@ def test_every_policy_places_feasibly_or_refuses_with_the_right_reason(policy, s
 
 @pytest.mark.parametrize("scale", ["mean", "capacity"])
 @given(state=rank_states())
-def test_default_is_the_greedy_step_of_the_sum_of_squares(scale, state):
+def test_sum_of_squares_is_the_greedy_step_of_its_objective(scale, state):
     b, s, new, kw = state
     good, _ = feasible(b, s, new, kw)
     assume(good)
-    d = pick_rank(b, s, new, scale=scale, **kw)
+    d = pick_rank(b, s, new, policy="sum_of_squares", scale=scale, **kw)
     inc = {r: objective_increase(b, s, new, kw, r, scale) for r in good}
     _minimal(inc, d.rank, good)
 
@@ -92,11 +92,16 @@ def test_baselines_match_their_definitions_exactly(state, cursor):
     )
 
 
-def test_default_rule_sends_short_requests_to_few_requests_and_long_ones_to_little_kv():
+def test_default_rule_is_min_max_and_sum_of_squares_stays_reachable():
+    assert DEFAULT_POLICY == "min_max"
     b, s = np.array([8, 2]), np.array([8000, 40000])  # rank 0: many short; rank 1: few long
-    assert pick_rank(b, s, 50).rank == 1
-    assert pick_rank(b, s, 20000).rank == 0
-    assert DEFAULT_POLICY == "sum_of_squares"
+    for new in (50, 20000):
+        assert pick_rank(b, s, new) == pick_rank(b, s, new, policy="min_max")
+    # min_max: rank 1's KV after placement (1.67 of the mean) binds above rank 0's count (1.64)
+    assert pick_rank(b, s, 50).rank == 0
+    # sum_of_squares: a short request goes to few requests, a long one to little KV
+    assert pick_rank(b, s, 50, policy="sum_of_squares").rank == 1
+    assert pick_rank(b, s, 20000, policy="sum_of_squares").rank == 0
 
 
 def test_zero_means_are_defined():

@@ -300,3 +300,40 @@ def test_transfer_options_are_checked():
         simulate_decode(t, "lbkit", cost=H800.decode, migration_latency_s=-1.0)
     with pytest.raises(ValueError, match="migration_s_per_kv_token"):
         simulate_decode(t, "lbkit", cost=H800.decode, migration_s_per_kv_token=float("nan"))
+
+
+def test_the_lbkit_policy_is_the_decode_balancers_defaults():
+    from lbkit.decode import DecodeBalancer
+
+    pol = LbkitDecode(1, 8)
+    assert pol.balancer.state_dict()["config"] == DecodeBalancer(8).state_dict()["config"]
+    # With the pool's admission limits: the same balancer given those limits, nothing else.
+    t = Trace(arrival_s=[0.0, 0.0], total_tokens=[10, 20], output_tokens=[3, 3])
+    simulate_decode(t, pol, num_engines=1, ranks_per_engine=8, cost=H800.decode,
+                    max_kv_tokens=1000, kv_watermark_tokens=10)  # fmt: skip
+    want = DecodeBalancer(8, max_kv_tokens=990).state_dict()["config"]
+    assert pol.balancer.state_dict()["config"] == want
+
+
+def test_the_default_makes_room_under_back_pressure_and_loses_nothing():
+    # Ranks of 40,000 tokens and prompts up to a rank's size: without room-making a long prompt
+    # at the queue's head waits for a rank to drain.
+    rng = np.random.default_rng(7)
+    n = 600
+    t = Trace(
+        arrival_s=np.sort(rng.uniform(0.0, 5.0, n)),
+        total_tokens=np.minimum(rng.lognormal(8.0, 1.2, n), 30000).astype(np.int64) + 1,
+        output_tokens=np.maximum(2, rng.lognormal(4.0, 0.8, n)).astype(np.int64),
+    )
+    kw = dict(num_engines=1, ranks_per_engine=8, cost=H800.decode, max_kv_tokens=40000,
+              kv_watermark_tokens=400, migration_s_per_kv_token=1.76e-6)  # fmt: skip
+    plain = simulate_decode(t, LbkitDecode(1, 8, migrate_every_s=None), **kw)
+    room_only = simulate_decode(t, LbkitDecode(1, 8, max_migrations=0), **kw)
+    pol = LbkitDecode(1, 8)
+    default = simulate_decode(t, pol, **kw)
+    for run in (plain, room_only, default):
+        assert run.finished.sum() == run.arrived.sum() - run.refused.sum()
+    assert plain.migrations == 0 and room_only.migrations > 0 and default.migrations > 0
+    assert np.nansum(room_only.wait_s) < np.nansum(plain.wait_s)
+    pol.balancer._check()
+    assert len(pol.balancer) == 0  # every request finished and left the ledger

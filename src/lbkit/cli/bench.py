@@ -18,6 +18,8 @@ _PROGRESS_AFTER_S = 3.0
 BUILTIN_REQUESTS = 6_000
 #: DeepSeek-V3's KV cache bytes per token (MLA latent 512 + RoPE key 64 values, 61 layers, BF16).
 KV_BYTES_PER_TOKEN = 61 * 576 * 2
+#: Default KV transfer bandwidth of a migrated decode request, GB/s.
+MIGRATION_GBPS = 40.0
 
 
 def add_parser(sub: Any) -> None:
@@ -145,10 +147,10 @@ def add_parser(sub: Any) -> None:
         "--migrate-every",
         type=float,
         metavar="SECONDS",
-        help="with --decode-batch: also run lbkit's decode balancer migrating running requests "
-        "between ranks (row lbkit_migrate; also across decode engines): at most every "
-        "SECONDS of simulated time it moves up to --max-migrations requests "
-        "(DecodeBalancer.rebalance); 0 = at every arrival",
+        help="with --decode-batch: also run a variant of lbkit's decode balancer (row "
+        "lbkit_migrate; moves may cross decode engines): at most every SECONDS of simulated "
+        "time it calls DecodeBalancer.rebalance(--max-migrations); 0 = at every arrival (the "
+        "lbkit row migrates too, with the balancer's defaults before every routing decision)",
     )
     p.add_argument(
         "--max-migrations",
@@ -161,8 +163,10 @@ def add_parser(sub: Any) -> None:
         "--migration-gbps",
         type=float,
         metavar="G",
-        help="with --migrate-every: KV transfer bandwidth of a move in GB/s; a moved request "
-        "stops decoding until its KV has arrived (default: transfer time not modelled)",
+        default=MIGRATION_GBPS,
+        help="KV transfer bandwidth of a migrated request in GB/s, for every decode policy that "
+        "migrates (lbkit's by default): a moved request stops decoding until its KV has "
+        f"arrived (default {MIGRATION_GBPS:g}: one 400 Gb/s RDMA NIC per GPU at 80%%)",
     )
     p.add_argument(
         "--kv-bytes-per-token",
@@ -282,13 +286,9 @@ def _check_args(args: argparse.Namespace) -> None:
             raise ValueError(
                 f"--migrate-every: must be a finite number >= 0, got {args.migrate_every}"
             )
-    elif args.migration_gbps is not None:
-        raise ValueError("--migration-gbps: needs --migrate-every")
     if args.max_migrations < 1:
         raise ValueError(f"--max-migrations: must be >= 1, got {args.max_migrations}")
-    if args.migration_gbps is not None and not (
-        args.migration_gbps > 0 and math.isfinite(args.migration_gbps)
-    ):
+    if not (args.migration_gbps > 0 and math.isfinite(args.migration_gbps)):
         raise ValueError(
             f"--migration-gbps: must be a finite number > 0, got {args.migration_gbps}"
         )
@@ -404,9 +404,7 @@ def run(args: argparse.Namespace) -> int:
             cost=args.cost,
             migrate_every_s=args.migrate_every,
             max_migrations=args.max_migrations,
-            migration_s_per_kv_token=0.0
-            if args.migration_gbps is None
-            else args.kv_bytes_per_token / (args.migration_gbps * 1e9),
+            migration_s_per_kv_token=args.kv_bytes_per_token / (args.migration_gbps * 1e9),
         )
     finally:
         progress.close()
@@ -581,8 +579,7 @@ def _print_report(r: dict[str, Any], wall: float) -> None:
             ("mean_running_per_rank", "running/rank", "x", ""),
             ("tpot_p99_s", "TPOT p99", "ms", "min"),
         ]
-        if mig is not None:
-            cols.append(("migrations", "moves", "n", ""))
+        cols.append(("migrations", "moves", "n", ""))
         bound = " (the KV capacity bounds the batch)" if w.get("capacity_bound") else ""
         verdict = (
             "meaningful: every policy's ranks run 32-128 requests"

@@ -63,9 +63,9 @@ from lbkit.core.metrics import max_over_mean
 from lbkit.core.validation import as_int_array, as_rng, check_choice, check_int, to_numpy
 from lbkit.decode import _kernels as K
 from lbkit.decode._state import DEFAULT_COST, capacity_iv, params
-from lbkit.decode.migration import _plan_on
+from lbkit.decode.migration import MIGRATION_SOURCES, ROOM_MAX_MOVES, _plan_on, _room_on
 from lbkit.decode.policies import DEFAULT_POLICY, POLICIES, POLICY_CODES, Decision
-from lbkit.decode.reasons import PLACED, REASONS
+from lbkit.decode.reasons import BATCH_FULL, FULL, KV_FULL, PLACED, REASONS
 
 __all__ = [
     "DecodeBalancer",
@@ -79,6 +79,12 @@ __all__ = [
 _STATE_VERSION = 1
 _RANK, _KV, _GEN, _EXPECT, _ORDER = range(5)
 _REFUSED = tuple(Decision(-1, reason) for reason in REASONS)
+#: Refusals that room on one rank would have avoided (the pool is not empty of room).
+_NO_ROOM = frozenset(REASONS.index(r) for r in (BATCH_FULL, KV_FULL, FULL))
+#: Default moves per :meth:`DecodeBalancer.rebalance` that lower the balance objective.
+DEFAULT_MAX_MIGRATIONS = 1
+#: Steps of KV growth kept free on a rank freed for a waiting request.
+ROOM_GROW_STEPS = 4
 _MAX_TOKENS = 2**52  # per request: sums stay exact in the float64 state matrix
 
 
@@ -205,8 +211,27 @@ class DecodeBalancer:
     lookahead_steps : int, default 0
         Score ranks by their projected state this many steps ahead (see the module
         documentation); 0 scores the current state.
+    max_migrations : int, default ``DEFAULT_MAX_MIGRATIONS`` (1)
+        Moves of :meth:`rebalance` without an argument that lower the balance objective (0:
+        none).
+    make_room : bool, default True
+        Whether :meth:`rebalance` frees a rank for the last request refused for lack of room
+        (see there).
+    migration_sources : {"heaviest", "all"}, default "heaviest"
+        Candidates of a balance move (:func:`~lbkit.decode.plan_migrations`' ``sources``):
+        the requests of the heaviest rank (``O(requests + B * ranks)`` per move, for a call
+        before every admission), or every request (``O(requests * ranks)``).
     rng : numpy Generator, int seed or None
         Randomness of the ``"random"`` policy (``None`` means seed 0).
+
+    Notes
+    -----
+    The defaults are what lbkit's measurements run (``benchmarks/decode_goodput.py``, the
+    simulator's ``lbkit`` decode policy): the ``"min_max"`` rule, and :meth:`rebalance` called
+    before every admission, which makes room for a waiting request and moves one request when
+    that lowers the balance objective. The earlier defaults are explicit arguments:
+    ``policy="sum_of_squares", max_migrations=0, make_room=False`` admits only, and
+    ``make_room=False, migration_sources="all"`` makes ``rebalance(k)`` the earlier global plan.
 
     Examples
     --------
@@ -240,9 +265,19 @@ class DecodeBalancer:
         scale: str = "mean",
         cost: DecodeCost | None = None,
         lookahead_steps: int = 0,
+        max_migrations: int = DEFAULT_MAX_MIGRATIONS,
+        make_room: bool = True,
+        migration_sources: str = "heaviest",
         rng: np.random.Generator | int | None = None,
     ) -> None:
         n = check_int(num_ranks, "num_ranks", min_value=1)
+        self._max_moves = check_int(max_migrations, "max_migrations", min_value=0)
+        if not isinstance(make_room, (bool, np.bool_)):
+            raise TypeError(f"make_room: must be a bool, got {type(make_room).__name__}")
+        self._make_room = bool(make_room)
+        self._sources = check_choice(migration_sources, "migration_sources", MIGRATION_SOURCES)
+        self._room: tuple[Hashable, int] | None = None  # last request refused for lack of room
+        self._room_failed = -1  # releases when room-making last failed (retried after one more)
         check_choice(policy, "policy", tuple(POLICIES))
         h = check_int(lookahead_steps, "lookahead_steps", min_value=0)
         self._P = params(POLICY_CODES[policy], scale, cost, proj=h > 0)
@@ -428,7 +463,10 @@ class DecodeBalancer:
         )  # fmt: skip
         if r < 0:
             self._refused[-r] += 1
+            if -r in _NO_ROOM:
+                self._room = (request_id, kv_tokens)
             return _REFUSED[-r]
+        self._room = None  # the room went to this request (FIFO callers offer the head first)
         free.pop()
         self._ids[request_id] = slot
         self._rid_of[slot] = request_id
@@ -561,26 +599,42 @@ class DecodeBalancer:
         s[_RANK, slot] = rank
         self._counts["migrated"] += 1
 
-    def rebalance(self, max_moves: int) -> tuple[Migration, ...]:
-        """Migrate up to ``max_moves`` running requests to lower the default rule's objective.
+    def rebalance(self, max_moves: int | None = None) -> tuple[Migration, ...]:
+        """Migrate running requests: room for a waiting request, then moves towards balance.
 
-        The moves are those of :func:`lbkit.decode.migration.plan_migrations` on the ledger:
-        every running request may move once, to an active rank with room; requests on draining
-        ranks may leave them. The caller transfers each request's KV cache from ``source`` to
-        ``target``.
+        1. *Room* (with ``make_room``): when an admission was refused for lack of room
+           (``batch_full``, ``kv_full``, ``full``) and no request has been admitted since, the
+           moves of :func:`lbkit.decode.migration.plan_room` that free one active rank for that
+           request (each moved request goes where the admission rule places it among the other
+           active ranks; ``ROOM_GROW_STEPS`` steps of growth kept free; at most
+           ``ROOM_MAX_MOVES``, and none unless they free the rank). Until a request is admitted,
+           that rank receives no balance move.
+        2. *Balance*: up to ``max_moves`` moves of :func:`lbkit.decode.migration.plan_migrations`
+           on the ledger (candidates: ``migration_sources``): every running request may move
+           once, to an active rank with room; requests on draining ranks may leave them.
+
+        The caller transfers each request's KV cache from ``source`` to ``target``. Calling this
+        before every admission is what the defaults are measured with (the class notes).
+
+        Parameters
+        ----------
+        max_moves : int, optional
+            Balance moves (>= 0); default the constructor's ``max_migrations``.
 
         Returns
         -------
         tuple of Migration
-            The moves made, in order (empty when no move lowers the objective).
+            The moves made, in order (empty when no move is needed).
 
-        Runtime complexity: ``O(moves * requests * ranks)``, one numba call.
+        Runtime complexity: balance moves ``O(moves * (requests + B * ranks))`` (``B`` requests
+        on the heaviest rank; ``O(moves * requests * ranks)`` with ``migration_sources="all"``),
+        room ``O(room moves * (requests + ranks))``; two numba calls.
 
         Examples
         --------
         A long request leaves rank 1; a short request of rank 0 takes its place:
 
-        >>> bal = DecodeBalancer(2)
+        >>> bal = DecodeBalancer(2, policy="sum_of_squares")
         >>> for i, kv in enumerate([5000, 5000, 100, 100, 100, 100]):
         ...     _ = bal.admit(i, kv)
         >>> bal.finish(1)
@@ -591,23 +645,61 @@ class DecodeBalancer:
         (Migration(request_id=2, source=0, target=1, kv_tokens=100),)
         >>> bal.num_requests().tolist(), bal.kv_tokens().tolist()
         ([2, 3], [5100, 300])
+
+        Two ranks of 1,000 tokens hold 550 and 500: a request of 600 fits neither, though they
+        have 950 free together. Rank 1 sends away its smallest request that frees enough:
+
+        >>> bal = DecodeBalancer(2, max_kv_tokens=1000, max_migrations=0)
+        >>> [bal.admit(i, kv).rank for i, kv in enumerate([400, 300, 200, 150])]
+        [0, 1, 1, 0]
+        >>> bal.kv_tokens().tolist(), bal.admit("long", 600)
+        ([550, 500], Decision(rank=-1, reason='kv_full'))
+        >>> bal.rebalance()
+        (Migration(request_id=2, source=1, target=0, kv_tokens=200),)
+        >>> bal.admit("long", 600)
+        Decision(rank=1, reason='placed')
         """
-        moves = check_int(max_moves, "max_moves", min_value=0)
+        moves = (
+            self._max_moves if max_moves is None else check_int(max_moves, "max_moves", min_value=0)
+        )
         used = np.flatnonzero(self._slots[_RANK] < self._n)
-        if not moves or not len(used):
+        if not len(used):
             return ()
-        # The ledger is the plan's state matrix: counts, KV, capacities, eligibility (= active).
-        plan = _plan_on(
-            self._slots[_RANK, used], self._slots[_KV, used].astype(np.float64), self._X.copy(),
-            moves,
-        )  # fmt: skip
-        out = []
-        for i, src, dst in zip(plan.request.tolist(), plan.source.tolist(),
-                               plan.target.tolist(), strict=True):  # fmt: skip
-            slot = int(used[i])
-            out.append(Migration(self._rid_of[slot], src, dst, int(self._slots[_KV, slot])))
-            self._move(slot, dst)
+        out: list[Migration] = []
+        reserved = -1
+        released = self._counts["finished"] + self._counts["aborted"] + self._counts["handed_back"]
+        if self._make_room and self._room is not None and released != self._room_failed:
+            X = self._X.copy()
+            rank = self._slots[_RANK, used]  # a copy (fancy indexing)
+            room = _room_on(
+                rank, self._slots[_KV, used].astype(np.float64), X, self._room[1], self._P,
+                ROOM_GROW_STEPS, ROOM_MAX_MOVES,
+            )  # fmt: skip
+            if room.complete:
+                reserved = room.rank
+                for i, dst in zip(room.request.tolist(), room.target.tolist(), strict=True):
+                    out.append(self._moved(int(used[i]), dst))
+            else:  # no room to be made until a request leaves
+                self._room_failed = released
+        if moves:
+            X = self._X.copy()
+            if reserved >= 0:
+                X[K.ROW_OK, reserved] = 0.0
+            # The ledger is the plan's state matrix: counts, KV, capacities, eligibility.
+            plan = _plan_on(
+                self._slots[_RANK, used], self._slots[_KV, used].astype(np.float64), X, moves,
+                self._sources == "heaviest", False,
+            )  # fmt: skip
+            for i, dst in zip(plan.request.tolist(), plan.target.tolist(), strict=True):
+                out.append(self._moved(int(used[i]), dst))
         return tuple(out)
+
+    def _moved(self, slot: int, rank: int) -> Migration:
+        """Move the request in ``slot`` to ``rank``; the :class:`Migration` record."""
+        m = Migration(self._rid_of[slot], int(self._slots[_RANK, slot]), rank,
+                      int(self._slots[_KV, slot]))  # fmt: skip
+        self._move(slot, rank)
+        return m
 
     # ------------------------------------------------------------------ service
     def drain_rank(self, rank: int) -> None:
@@ -812,6 +904,9 @@ class DecodeBalancer:
                     "moe_lb": c.moe_lb,
                 },
                 "lookahead_steps": self._h,
+                "max_migrations": self._max_moves,
+                "make_room": self._make_room,
+                "migration_sources": self._sources,
             },
             "state": {
                 "rank_state": self._state.tolist(),
@@ -822,6 +917,7 @@ class DecodeBalancer:
                 "refused": list(self._refused),
                 "counts": dict(self._counts),
                 "rng": self._rng.bit_generator.state,
+                "room": None if self._room is None else list(self._room),
             },
         }
 
@@ -867,6 +963,8 @@ class DecodeBalancer:
             bal._refused = [int(x) for x in s["refused"]]
             bal._counts = {k: int(s["counts"].get(k, 0)) for k in _COUNTERS}
             bal._rng.bit_generator.state = s["rng"]
+            room = s.get("room")
+            bal._room = None if room is None else (_request_id(room[0]), int(room[1]))
             bal._check()
         except (KeyError, TypeError, IndexError, AssertionError) as exc:
             raise ValueError(f"state: inconsistent state_dict ({exc})") from None

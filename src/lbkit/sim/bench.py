@@ -41,6 +41,7 @@ from lbkit.sim.policies import (
     context_parallel_policy,
 )
 from lbkit.sim.policies_decode import DECODE_POLICIES, DEFAULT_DECODE_POLICY
+from lbkit.sim.prefix_cache import DSV3_KV_BYTES_PER_TOKEN
 from lbkit.sim.traces import Trace, _detect_format, load_trace
 
 __all__ = [
@@ -430,6 +431,13 @@ def scale_to_decode_batch(
     return scaled, factor, batch(factor)
 
 
+#: Effective bandwidth of a migrated request's KV transfer in the decode-only bench: one 400 Gb/s
+#: RDMA NIC per GPU (50 GB/s at line rate) at 80%.
+MIGRATION_BYTES_PER_S = 40e9
+#: Seconds per KV token of that transfer for DeepSeek-V3 (70,272 bytes per token: 61 layers x
+#: 576 values x 2 bytes, MLA in BF16): 1.76 us.
+MIGRATION_S_PER_KV_TOKEN = DSV3_KV_BYTES_PER_TOKEN / MIGRATION_BYTES_PER_S
+
 #: Running requests per rank where a decode comparison is meaningful (SPEC section 8).
 OCCUPANCY_RANGE = (32.0, 128.0)
 #: A calibrated batch below this share of the target counts as capacity-bound.
@@ -469,7 +477,7 @@ def run_decode_bench(
     migrate_every_s: float | None = None,
     max_migrations: int = 1,
     migration_latency_s: float = 0.0,
-    migration_s_per_kv_token: float = 0.0,
+    migration_s_per_kv_token: float = MIGRATION_S_PER_KV_TOKEN,
     max_kv_tokens: int | None = DECODE_KV_CAPACITY_TOKENS,
     kv_watermark_tokens: int | None = None,
 ) -> dict[str, Any]:
@@ -490,13 +498,16 @@ def run_decode_bench(
     kv_watermark_tokens : int, optional
         KV tokens kept free at admission; default 1% of ``max_kv_tokens``.
     migrate_every_s : float, optional
-        Also run lbkit's balancer migrating running requests (``"lbkit_migrate"``:
-        :class:`~lbkit.sim.policies_decode.LbkitDecode` with ``migrate_every_s`` and
-        ``max_migrations``; moves may cross engines).
+        Also run a variant of lbkit's balancer (``"lbkit_migrate"``:
+        :class:`~lbkit.sim.policies_decode.LbkitDecode` calling ``rebalance(max_migrations)`` at
+        most every ``migrate_every_s`` seconds; moves may cross engines). The ``"lbkit"`` row
+        migrates too: its balancer's defaults, ``rebalance()`` before every routing decision.
     max_migrations : int, default 1
-        Moves per rebalance.
-    migration_latency_s, migration_s_per_kv_token : float, default 0
-        KV transfer time of a move (see :func:`~lbkit.sim.engine.simulate_decode`).
+        Balance moves per rebalance of ``"lbkit_migrate"``.
+    migration_latency_s : float, default 0
+    migration_s_per_kv_token : float, default ``MIGRATION_S_PER_KV_TOKEN``
+        KV transfer time of a move, for every policy that migrates (see
+        :func:`~lbkit.sim.engine.simulate_decode`; the default is 40 GB/s for DeepSeek-V3).
 
     Returns
     -------
@@ -529,13 +540,20 @@ def run_decode_bench(
         policies["lbkit_migrate"] = lambda: LbkitDecode(
             de, dr, rng=seed, migrate_every_s=migrate_every_s, max_migrations=max_migrations
         )
+    transfer = {
+        "migration_latency_s": check_real(
+            migration_latency_s, "migration_latency_s", min_value=0.0
+        ),
+        "migration_s_per_kv_token": check_real(
+            migration_s_per_kv_token, "migration_s_per_kv_token", min_value=0.0
+        ),
+    }
+    if migrate_every_s is not None:
         migration = {
             "every_s": float(migrate_every_s),
             "max_migrations": int(max_migrations),
-            "latency_s": check_real(migration_latency_s, "migration_latency_s", min_value=0.0),
-            "s_per_kv_token": check_real(
-                migration_s_per_kv_token, "migration_s_per_kv_token", min_value=0.0
-            ),
+            "latency_s": transfer["migration_latency_s"],
+            "s_per_kv_token": transfer["migration_s_per_kv_token"],
         }
     if max_kv_tokens is not None:
         max_kv_tokens = check_int(max_kv_tokens, "max_kv_tokens", min_value=1)
@@ -559,15 +577,12 @@ def run_decode_bench(
             "capacity_bound": bool(measured < CAPACITY_BOUND * batch_per_rank),
         },
         "options": {"decode_engines": de, "decode_ranks": dr, "cost": cost, "seed": seed,
-                    "migration": migration, "kv_capacity_tokens": max_kv_tokens,
+                    "migration": migration, "transfer": transfer,
+                    "kv_capacity_tokens": max_kv_tokens,
                     "kv_watermark_tokens": kv_watermark_tokens},
         "decode": {},
     }  # fmt: skip
     timing: dict[str, Any] = {"calibration_s": time.perf_counter() - start, "decode": {}}
-    transfer = {} if migration is None else {
-        "migration_latency_s": migration["latency_s"],
-        "migration_s_per_kv_token": migration["s_per_kv_token"],
-    }  # fmt: skip
     for name, make in policies.items():
         start = time.perf_counter()
         run = simulate_decode(

@@ -40,6 +40,7 @@ import numpy as np
 
 from lbkit.core.cost import CostPreset
 from lbkit.core.validation import check_choice, check_int, check_real
+from lbkit.sim.bench import MIGRATION_S_PER_KV_TOKEN
 from lbkit.sim.engine import (
     DECODE_KV_CAPACITY_TOKENS,
     DECODE_KV_WATERMARK_TOKENS,
@@ -363,6 +364,7 @@ def _decoder(cost: CostPreset, options: GoodputOptions):
                 cost=cost.decode,
                 max_kv_tokens=DECODE_KV_CAPACITY_TOKENS,
                 kv_watermark_tokens=DECODE_KV_WATERMARK_TOKENS,
+                migration_s_per_kv_token=MIGRATION_S_PER_KV_TOKEN,  # lbkit's decode migrates
                 rng=options.seed,
             ),
         )

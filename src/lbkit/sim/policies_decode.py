@@ -32,8 +32,10 @@ What each policy uses (ties: lowest flat index):
 ``least_requests``  ``view.num_requests``
 ``least_kv``        ``view.kv_tokens``
 ``power_of_two``    ``view.num_requests`` of two distinct uniform ranks (then KV, then index)
-``lbkit``           lbkit's decode rule (:data:`lbkit.decode.DEFAULT_POLICY`: the greedy step of
-                    minimising ``sum_r (B_r/Bhat)^2 + (S_r/Shat)^2``) on the view's ``B`` and ``S``
+``lbkit``           :class:`lbkit.decode.DecodeBalancer` with its default arguments: its own
+                    ledger (admissions, step counts, completions); the ``min_max`` rule
+                    (:data:`lbkit.decode.DEFAULT_POLICY`) and ``rebalance()`` before every
+                    routing decision (room for a waiting request, one balance move)
 ==================  =================================================================
 
 This is the only module of the simulator that imports :mod:`lbkit.decode`.
@@ -154,7 +156,7 @@ class _PowerOfTwo(_Baseline):
 
 
 class LbkitDecode:
-    """lbkit's :class:`~lbkit.decode.DecodeBalancer` (default rule) behind the protocol.
+    """lbkit's :class:`~lbkit.decode.DecodeBalancer` (default arguments) behind the protocol.
 
     The balancer keeps its own ledger: ``admit`` at routing, ``step`` with the decode steps each
     engine completed since the last call (every running request grew by one token per step),
@@ -162,12 +164,16 @@ class LbkitDecode:
     growth), never the per-rank loads. A request admitted during a step is charged that step's
     token too (at most one token of drift per request).
 
-    ``migrate_every_s`` (default ``None``: never) turns on migration: at most every
-    ``migrate_every_s`` seconds of simulated time, :meth:`~lbkit.decode.DecodeBalancer.rebalance`
-    with ``max_migrations`` moves over all ranks of all engines, handed to the simulator through
-    ``migrations``. ``migrated_kv_tokens`` sums the KV tokens moved. While
-    a move's KV transfer is modelled the request does not decode, but the ledger still grows its
-    KV by a token per step (a drift of a few tokens per move).
+    Migration: at most every ``migrate_every_s`` seconds of simulated time (default 0: before
+    every routing decision, as the balancer's defaults are measured; ``None``: never),
+    :meth:`~lbkit.decode.DecodeBalancer.rebalance` over all ranks of all engines, handed to the
+    simulator through ``migrations``: with ``max_migrations=None`` (default) the balancer's own
+    default moves (``DecodeBalancer(max_migrations=, make_room=)``), else ``rebalance(
+    max_migrations)``. ``migrated_kv_tokens`` sums the KV tokens moved. While a move's KV
+    transfer is modelled the request does not decode, but the ledger still grows its KV by a
+    token per step (a drift of a few tokens per move). ``**options`` go to the balancer (none by
+    default: the ``lbkit`` policy is exactly ``DecodeBalancer(num_ranks)`` plus the pool's
+    admission limits).
 
     With capacities the balancer gets the view's admission limits. When no rank is eligible its
     ``admit`` refuses and leaves the request out of its ledger (:mod:`lbkit.decode.reasons`:
@@ -180,14 +186,16 @@ class LbkitDecode:
     name = "lbkit"
 
     def __init__(self, num_engines: int, ranks_per_engine: int, *, cost: Any = None,
-                 rng: Any = None, migrate_every_s: float | None = None,
-                 max_migrations: int = 1, **options: Any):  # fmt: skip
+                 rng: Any = None, migrate_every_s: float | None = 0.0,
+                 max_migrations: int | None = None, **options: Any):  # fmt: skip
         from lbkit.decode import DecodeBalancer
 
         if migrate_every_s is not None:
             migrate_every_s = check_real(migrate_every_s, "migrate_every_s", min_value=0.0)
         self._every = migrate_every_s
-        self._moves = check_int(max_migrations, "max_migrations", min_value=0)
+        if max_migrations is not None:
+            max_migrations = check_int(max_migrations, "max_migrations", min_value=0)
+        self._moves = max_migrations
         self._next_s = -np.inf
         self.migrated_kv_tokens = 0
         self._r = ranks_per_engine

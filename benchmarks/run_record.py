@@ -1,0 +1,77 @@
+"""What a benchmark script records about its run: progress lines, the load average, the commit.
+
+Shared by the scripts of this folder (run as ``python benchmarks/NAME.py``, which puts this
+folder on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+__all__ = ["PUBLIC_TRACES", "ROOT", "TRACES", "csv_names", "git_commit", "load_avg", "log"]
+
+#: The checkout these scripts belong to.
+ROOT = Path(__file__).resolve().parents[1]
+#: Where the public traces live: the steering repository's shared folder beside the checkout.
+TRACES = ROOT / ".." / "shared" / "traces"
+#: Trace name -> file under :data:`TRACES` (``None``: the built-in workload).
+PUBLIC_TRACES = {
+    "mooncake": "mooncake_conversation/conversation_trace.jsonl",
+    "azure": "azure_llm_2023_conv/AzureLLMInferenceTrace_conv.csv",
+    "default": None,
+}
+
+
+def log(msg: str, start: float) -> None:
+    """A progress line on stderr, stamped with the seconds since ``start`` (perf_counter)."""
+    print(f"[{time.perf_counter() - start:7.1f} s] {msg}", file=sys.stderr, flush=True)
+
+
+def load_avg() -> list[float] | None:
+    """The machine's 1, 5 and 15 minute load averages (``None`` where there are none)."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def git_commit(root: Path) -> str | None:
+    """The checkout measured (``+dirty``: with uncommitted changes under ``src``), so that
+    figures can be matched with the library code that produced them."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "src"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+dirty" if dirty else "")  # fmt: skip
+
+
+def csv_names(text: str | None, known: Iterable[str], what: str) -> list[str]:
+    """The names of a comma-separated option (all of ``known`` when ``None``); exits naming the
+    option ``--what`` on an unknown or empty list."""
+    known = list(known)
+    if text is None:
+        return known
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [n for n in names if n not in known]
+    if bad or not names:
+        raise SystemExit(f"--{what}: unknown {bad[0] if bad else '(empty)'!r}; "
+                         f"choose from {', '.join(known)}")  # fmt: skip
+    return names
