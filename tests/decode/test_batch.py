@@ -46,7 +46,7 @@ def test_greedy_is_within_the_proven_and_the_measured_bound_of_the_optimum(case)
 @given(case=tiny())
 def test_sum_of_squares_objective_is_near_its_optimum(case):
     b0, s0, kv = case
-    out = assign_batch(b0, s0, kv)
+    out = assign_batch(b0, s0, kv, policy="sum_of_squares")
     value = batch_objective(out.num_requests, out.kv_tokens, objective="sum_of_squares")
     best = assign_exact(b0, s0, kv, objective="sum_of_squares").value
     assert best <= value + 1e-9
