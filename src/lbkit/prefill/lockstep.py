@@ -62,6 +62,15 @@ def _finish(x, top, busy, budget):
 
 
 @jit
+def _score(x, top, busy, budget, growth, idle_growth):
+    """The rule's score of a rank whose queue with the request lasts ``x`` (module docstring)."""
+    v = _finish(x, top, busy, budget)
+    if x > top:
+        v += (growth if busy else idle_growth) * (x - top)
+    return v
+
+
+@jit
 def lockstep_scored(work, count, lo, hi, ranks, total, hit, hit0, coef):
     """Lockstep choice over the slots ``lo:hi`` (whole engines of ``ranks`` contiguous slots).
 
@@ -96,11 +105,7 @@ def lockstep_scored(work, count, lo, hi, ranks, total, hit, hit0, coef):
             p = hit0 if uniform else hit[s]
             rem = total - p
             w = rem * (b + kk * p + q * rem) + gamma * p + moe * rem if rem > 0 else 0.0
-            x = work[s] + w
-            grow = x - top
-            v = _finish(x, top, busy, budget)
-            if grow > 0.0:
-                v += (growth if busy else idle_growth) * grow
+            v = _score(work[s] + w, top, busy, budget, growth, idle_growth)
             if v < best:
                 best = v
                 best_k = s - lo
@@ -121,10 +126,7 @@ def _lockstep_flat(work, busy, request, ranks, budget, growth, idle_growth):
             if work[s] > top:
                 top = work[s]
         for s in range(e0, e0 + ranks):
-            x = work[s] + request[s]
-            v = _finish(x, top, busy[e], budget)
-            if x > top:
-                v += (growth if busy[e] else idle_growth) * (x - top)
+            v = _score(work[s] + request[s], top, busy[e], budget, growth, idle_growth)
             if v < best:
                 best = v
                 best_k = s
