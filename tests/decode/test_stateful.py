@@ -15,10 +15,12 @@ from hypothesis.stateful import (
 )
 
 from lbkit.decode import POLICIES, DecodeBalancer, migration_objective
+from lbkit.decode.migration import ROOM_MAX_MOVES
 
 from .strategies import feasible
 
 N = 4
+ROOM_REASONS = ("batch_full", "kv_full", "full")
 
 
 class Model:
@@ -76,6 +78,7 @@ class DecodeMachine(RuleBasedStateMachine):
         )  # fmt: skip
         self.model = Model(max_batch, max_kv)
         self.next_id = 0
+        self.room = None  # KV of the last request refused for lack of room, until one is placed
 
     def _ids(self):
         return sorted(self.model.req, key=lambda r: self.model.req[r][2])
@@ -87,6 +90,10 @@ class DecodeMachine(RuleBasedStateMachine):
         good, reason = self.model.feasible(kv)
         d = self.bal.admit(rid, kv, expected_output_tokens=expect)
         assert d.reason == reason
+        if d.reason in ROOM_REASONS:
+            self.room = kv
+        elif d.rank >= 0:
+            self.room = None
         if d.rank >= 0:
             assert d.rank in good
             self.model.req[rid] = [d.rank, kv, self.model.order]
@@ -201,17 +208,26 @@ class DecodeMachine(RuleBasedStateMachine):
     @rule(max_moves=st.integers(0, 3))
     def rebalance(self, max_moves):
         m = self.model
-        last = migration_objective(*m.loads())
+        before = self.bal.statistics().migrated_for_room
         moves = self.bal.rebalance(max_moves)
-        assert len(moves) <= max_moves
+        n_room = self.bal.statistics().migrated_for_room - before
+        # Room moves come first, only for a request refused for lack of room, and free a rank.
+        assert n_room == 0 or self.room is not None
+        assert n_room <= ROOM_MAX_MOVES and len(moves) - n_room <= max_moves
         assert len({mv.request_id for mv in moves}) == len(moves)
-        for mv in moves:
+        last = migration_objective(*m.loads())
+        for i, mv in enumerate(moves):
             assert (m.req[mv.request_id][0], m.req[mv.request_id][1]) == (mv.source, mv.kv_tokens)
             assert m.state[mv.target] == "active" and self._room(mv.target, mv.kv_tokens)
             m.req[mv.request_id][0] = mv.target
             m.migrated += 1
             value = migration_objective(*m.loads())
-            assert value < last  # every move lowers the objective
+            if i + 1 == n_room:
+                assert any(
+                    m.state[r] == "active" and self._room(r, self.room) for r in range(N)
+                ), "the room moves freed no rank"
+            if i >= n_room:
+                assert value < last  # every balance move lowers the objective
             last = value
 
     @rule()
@@ -240,3 +256,24 @@ class DecodeMachine(RuleBasedStateMachine):
 
 
 TestDecodeBalancer = DecodeMachine.TestCase
+
+
+@pytest.mark.parametrize("max_moves", [0, 1])
+def test_room_moves_do_not_count_against_max_moves(max_moves):
+    """Pinned (seed 19845): a drained rank, a refused admission, then ``rebalance(max_moves)``.
+
+    The room move that frees a rank for the refused request comes first and is counted in
+    ``migrated_for_room``; it need not lower the balance objective.
+    """
+    machine = DecodeMachine()
+    machine.setup(policy="cost", max_batch=3, max_kv=6000, lookahead=0)
+    machine.admit_many([0, 0, 0])
+    machine.admit_many([3000, 0, 0, 0])
+    machine.service(0, "drain")
+    machine.admit_many([1, 0, 0, 3000])
+    assert machine.room is not None
+    machine.matches_the_model()
+    machine.rebalance(max_moves)
+    machine.matches_the_model()
+    assert machine.bal.statistics().migrated_for_room >= 1
+    machine.teardown()

@@ -137,7 +137,9 @@ class DecodeStatistics:
     ``reports_corrected``; drift (reported minus ledger) of the last accepted report
     (``drift_requests_last``, ``drift_kv_tokens_last``), the largest absolute drift
     (``drift_requests_max``, ``drift_kv_tokens_max``) and the summed absolute KV drift
-    (``drift_kv_tokens_total``).
+    (``drift_kv_tokens_total``); ``migrated`` (every move) and ``migrated_for_room`` (those
+    :meth:`DecodeBalancer.rebalance` made to free a rank for a refused request; they come first
+    in its result and do not count against ``max_moves``).
     """
 
     num_requests: tuple[int, ...]
@@ -164,6 +166,7 @@ class DecodeStatistics:
     drift_kv_tokens_max: int
     drift_kv_tokens_total: int
     migrated: int
+    migrated_for_room: int
 
 
 class Migration(NamedTuple):
@@ -179,7 +182,7 @@ _COUNTERS = (
     "finished", "aborted", "handed_back", "steps",
     "reports_accepted", "reports_stale", "reports_corrected",
     "drift_requests_last", "drift_kv_tokens_last", "drift_requests_max", "drift_kv_tokens_max",
-    "drift_kv_tokens_total", "migrated",
+    "drift_kv_tokens_total", "migrated", "migrated_for_room",
 )  # fmt: skip
 
 
@@ -679,6 +682,7 @@ class DecodeBalancer:
                 reserved = room.rank
                 for i, dst in zip(room.request.tolist(), room.target.tolist(), strict=True):
                     out.append(self._moved(int(used[i]), dst))
+                self._counts["migrated_for_room"] += len(room.request)
             else:  # no room to be made until a request leaves
                 self._room_failed = released
         if moves:
@@ -831,6 +835,7 @@ class DecodeBalancer:
             drift_kv_tokens_max=c["drift_kv_tokens_max"],
             drift_kv_tokens_total=c["drift_kv_tokens_total"],
             migrated=c["migrated"],
+            migrated_for_room=c["migrated_for_room"],
         )
 
     def _check(self) -> None:
