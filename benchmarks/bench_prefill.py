@@ -27,6 +27,14 @@ from lbkit.prefill import (
     plan_chunks,
     rebalance,
 )
+from lbkit.prefill.lockstep import (
+    C_BUDGET,
+    C_GROWTH,
+    C_IDLE_GROWTH,
+    N_COEF,
+    lockstep_rank,
+    lockstep_scored,
+)
 
 COST = PRESETS["h800_dsv3"].prefill
 ROUNDS, ITERATIONS = 30, 1000  # 30k routed requests per benchmark: the ledger stays small
@@ -87,6 +95,66 @@ def bench_route_per_rank_cache(benchmark, ranks):
     benchmark.pedantic(route, rounds=ROUNDS, iterations=ITERATIONS, warmup_rounds=1)
     bal._check()
     assert bal.statistics().routed == 4 * ranks + next(ids)
+
+
+def _lockstep_inputs(ranks: int):
+    """A warm 8-rank-per-engine ledger's arrays, a request and its per-rank cached tokens."""
+    rng = np.random.default_rng(2)
+    work = rng.random(ranks) * 3.0
+    work[rng.random(ranks) < 0.3] = 0.0
+    count = (work > 0).astype(np.int64)
+    hits = (rng.integers(0, 16, size=ranks) * 512).astype(np.int64)
+    coef = np.zeros(N_COEF)
+    coef[:5] = COST.b, COST.k, COST.q, COST.gamma, float(COST.moe_s_per_token)
+    coef[C_BUDGET], coef[C_GROWTH], coef[C_IDLE_GROWTH] = 1.0, 0.6, 0.1
+    return work, count, hits, coef
+
+
+@pytest.mark.parametrize("ranks", [64])
+def bench_lockstep_decision(benchmark, ranks):
+    # The decision inside route(): the lockstep kernel over the ledger's arrays, with the
+    # request's cached tokens on every rank (what a router's prefix index gives).
+    work, count, hits, coef = _lockstep_inputs(ranks)
+
+    def decide():
+        return lockstep_scored(work, count, 0, ranks, 8, 8704, hits, 0, coef)
+
+    benchmark.group = f"prefill_route|{ranks}"
+    k, score, hit = benchmark.pedantic(decide, rounds=ROUNDS, iterations=ITERATIONS,
+                                       warmup_rounds=1)  # fmt: skip
+    assert 0 <= k < ranks and hit == hits[k] and np.isfinite(score)
+
+
+@pytest.mark.parametrize("ranks", [64])
+def bench_lockstep_rank(benchmark, ranks):
+    # The pure function with validation: per-rank work and the request's per-rank seconds.
+    work, _, hits, _ = _lockstep_inputs(ranks)
+    rem = 8704 - hits
+    request = rem * (COST.b + COST.k * hits + COST.q * rem) + COST.gamma * hits
+    work2, request2 = work.reshape(-1, 8), request.reshape(-1, 8)
+    benchmark.group = f"prefill_route|{ranks}"
+    got = benchmark.pedantic(lockstep_rank, args=(work2, request2), rounds=ROUNDS,
+                             iterations=ITERATIONS, warmup_rounds=1)  # fmt: skip
+    assert 0 <= got < ranks
+
+
+@pytest.mark.parametrize("ranks", [64])
+def bench_route_long_queues(benchmark, ranks):
+    # route() with per-rank caches on a pool whose ranks each hold about 200 queued requests:
+    # the ledger's exact per-rank sums are updated incrementally, so the cost does not grow
+    # with the queues.
+    bal = _pool(ranks, RankChoice())
+    for i in range(200 * ranks):
+        bal.route(f"q{i}", 4096, 0, now_s=0.5)
+    ids = itertools.count()
+    hits = (np.random.default_rng(1).integers(0, 16, size=ranks) * 512).astype(np.int64)
+
+    def route():
+        return bal.route(next(ids), 8704, hits, now_s=1.0)
+
+    benchmark.group = f"prefill_route|{ranks}"
+    benchmark.pedantic(route, rounds=ROUNDS, iterations=ITERATIONS // 10, warmup_rounds=1)
+    assert bal.statistics().routed == 204 * ranks + next(ids)
 
 
 @pytest.mark.parametrize("ranks", [64])

@@ -12,6 +12,7 @@ from lbkit.core._jit import jit
 
 __all__ = [
     "divisor_apportion",
+    "int_bounds",
     "least_engine",
     "least_scored",
     "partition_min_max",
@@ -164,8 +165,24 @@ def roomy_slot(load, end, ranks, quota):
     return best
 
 
+@jit
+def int_bounds(values):
+    """``(min, max)`` of a non-empty ``int64`` array in one pass (a router's per-rank cached
+    tokens, checked on every route)."""
+    lo = values[0]
+    hi = values[0]
+    for i in range(1, values.shape[0]):
+        v = values[i]
+        if v < lo:
+            lo = v
+        elif v > hi:
+            hi = v
+    return lo, hi
+
+
 def warmup() -> None:
     """Compile every kernel of this module on tiny inputs."""
+    int_bounds(np.array([3, 1, 2], dtype=np.int64))
     demand = np.array([3.0, 0.0, 1.0])
     out = np.zeros(3, dtype=np.int64)
     divisor_apportion(

@@ -50,6 +50,7 @@ import numpy as np
 from lbkit.core.cost import QuadraticCost
 from lbkit.core.engines import ACTIVE, DRAINING, OUT, STATE_NAMES
 from lbkit.core.validation import as_int_array, as_rng, check_int
+from lbkit.prefill._kernels import int_bounds
 from lbkit.prefill.apportion import allocate_engines, serving_buckets
 from lbkit.prefill.choice import RankChooser, layout
 from lbkit.prefill.chunking import ChunkPlan, plan_chunks
@@ -320,8 +321,7 @@ class PrefillBalancer:
         """
         hits = None
         if type(cached_tokens) is not int and isinstance(cached_tokens, (np.ndarray, list, tuple)):
-            hits = self._hits_iv(cached_tokens, total_tokens)
-            cached_tokens = int(hits.min())
+            hits, cached_tokens = self._hits_iv(cached_tokens, total_tokens)
         if not (
             type(total_tokens) is int
             and type(cached_tokens) is int
@@ -348,15 +348,29 @@ class PrefillBalancer:
         self._counts["routed"] += 1
         return RouteDecision(flat // self._ranks, flat % self._ranks, bucket, reason)
 
-    def _hits_iv(self, cached_tokens: Any, total_tokens: Any) -> np.ndarray:
+    def _hits_iv(self, cached_tokens: Any, total_tokens: Any) -> tuple[np.ndarray, int]:
+        # Per-rank cached tokens and their least. The common case, an int64 array of the right
+        # shape and a valid total, costs one kernel pass; anything else is validated in full.
+        n = self.num_ranks
+        if (
+            type(cached_tokens) is np.ndarray
+            and cached_tokens.dtype == np.int64
+            and cached_tokens.shape == (n,)
+            and type(total_tokens) is int
+        ):
+            lo, hi = int_bounds(cached_tokens)
+            if 0 <= lo and hi <= total_tokens:
+                return cached_tokens, int(lo)
         total = as_tokens(total_tokens, "total_tokens")
-        hits = as_int_array(cached_tokens, "cached_tokens", shape=(self.num_ranks,), min_value=0)
-        if hits.shape[0] and int(hits.max()) > total:
+        hits = as_int_array(cached_tokens, "cached_tokens", shape=(n,), min_value=0)
+        if not hits.shape[0]:
+            return hits, 0
+        if int(hits.max()) > total:
             raise ValueError(
                 f"cached_tokens: must be <= total_tokens ({total}) on every rank, "
                 f"got {int(hits.max())}"
             )
-        return hits
+        return hits, int(hits.min())
 
     @staticmethod
     def _route_iv(total_tokens: Any, cached_tokens: Any, now_s: Any) -> tuple[int, int, float]:

@@ -4,9 +4,13 @@ A :class:`Request` remembers its rank, bucket, tokens (total, cached, prefilled)
 *remaining quota*, ``cost.quota(remaining_tokens, cached_tokens + done_tokens)``: the work of
 its remaining tokens as if run in one chunk. A rank's *quota load* is the sum of the remaining
 quotas of its requests; its *work* adds the routed-expert seconds of their remaining tokens
-(what the lockstep rule plans with). Both are re-summed exactly from the rank's queue whenever
-it changes (:meth:`Ledger.resum`): no cancellation error builds up, and a rank whose queue
-empties is back at exactly zero.
+(what the lockstep rule plans with). Both are kept as *exact* sums: each rank holds the
+non-overlapping partials of Shewchuk's algorithm (the one behind :func:`math.fsum`), so that a
+request's arrival, progress or departure adds or subtracts its terms exactly, in time
+proportional to the few partials rather than to the queue. The figure a rank routes by is the
+correctly rounded value of its partials, bit for bit what :func:`math.fsum` over the queue gives
+(:meth:`Ledger.resum` recomputes it that way): no cancellation error builds up, and a rank whose
+queue empties is back at exactly zero.
 
 With the physical tie ``q = k/2`` (and ``gamma = 0``) a fall of the remaining quota is exactly
 the work of the chunk just run, whatever the chunking. Otherwise it is not (``q > k/2`` charges
@@ -66,6 +70,25 @@ def as_time(value: Any) -> float:
     return check_real(value, "now_s")
 
 
+def _exact_add(partials: list[float], x: float) -> None:
+    """Add ``x`` to the exact sum held by ``partials`` (non-overlapping, increasing magnitude).
+
+    Shewchuk's error-free accumulation (Python's ``msum`` recipe): ``math.fsum(partials)`` is
+    then the correctly rounded value of every number added so far. O(len(partials)).
+    """
+    i = 0
+    for y in partials:
+        if abs(x) < abs(y):
+            x, y = y, x
+        hi = x + y
+        lo = y - (hi - x)
+        if lo:
+            partials[i] = lo
+            i += 1
+        x = hi
+    partials[i:] = [x]
+
+
 class Request:
     """One routed request: id, flat rank, bucket, tokens and remaining quota (seconds)."""
 
@@ -119,6 +142,9 @@ class Ledger:
         self.load = np.zeros(n)
         self.work = np.zeros(n)
         self.count = np.zeros(n, dtype=np.int64)
+        # Exact partial sums of each flat rank's quotas and work terms (module docstring).
+        self._load_parts: list[list[float]] = [[] for _ in range(n)]
+        self._work_parts: list[list[float]] = [[] for _ in range(n)]
         self.slot: list[int] = list(range(n))
         self.rank_at: list[int] = list(range(n))
 
@@ -162,46 +188,69 @@ class Ledger:
         """Queue a request at the end of its rank's queue."""
         self.requests[req.rid] = req
         self.queues[req.rank][req.rid] = req
-        self.resum(req.rank)
+        self._credit(req, 1.0)
+        self._refresh(req.rank)
 
     def drop(self, req: Request) -> None:
         """Remove a request from the ledger."""
+        self._credit(req, -1.0)
         del self.requests[req.rid]
         del self.queues[req.rank][req.rid]
-        self.resum(req.rank)
+        self._refresh(req.rank)
 
     def move(self, req: Request, rank: int) -> None:
         """Move a request to the end of another rank's queue."""
         old = req.rank
+        self._credit(req, -1.0)
         del self.queues[old][req.rid]
         self.queues[rank][req.rid] = req
         req.rank = rank
+        self._credit(req, 1.0)
         for f in (old, rank):
-            self.resum(f)
+            self._refresh(f)
 
     def advance(self, req: Request, done: int) -> float:
         """Set ``req.done``; update its quota and its rank's sums; return |quota change|."""
         new = self.quota(req.total - req.cached - done, req.cached + done)
         delta = req.quota - new
+        self._credit(req, -1.0)
         req.done = done
         req.quota = new
-        self.resum(req.rank)
+        self._credit(req, 1.0)
+        self._refresh(req.rank)
         return abs(delta)
 
-    def resum(self, flat: int) -> None:
-        """Re-sum a rank's quota load, step-time work and request count from its queue."""
-        queue = self.queues[flat]
+    def _credit(self, req: Request, sign: float) -> None:
+        """Add (``sign = 1.0``) or subtract (``-1.0``) a request's terms to its rank's partials:
+        its remaining quota, and its work (the quota plus its remaining routed-expert seconds)."""
+        q = req.quota
+        _exact_add(self._load_parts[req.rank], sign * q)
+        _exact_add(
+            self._work_parts[req.rank], sign * (q + self.moe * (req.total - req.cached - req.done))
+        )
+
+    def _refresh(self, flat: int) -> None:
+        """Set a rank's quota load, work and count from its partials and its queue."""
         slot = self.slot[flat]
-        if queue:
-            self.load[slot] = math.fsum(r.quota for r in queue.values())
-            moe = self.moe
-            self.work[slot] = math.fsum(
-                r.quota + moe * (r.total - r.cached - r.done) for r in queue.values()
-            )
-        else:
+        n = len(self.queues[flat])
+        if n:
+            self.load[slot] = math.fsum(self._load_parts[flat])
+            self.work[slot] = math.fsum(self._work_parts[flat])
+        else:  # exactly zero already; dropping the partials keeps them few
+            self._load_parts[flat] = []
+            self._work_parts[flat] = []
             self.load[slot] = 0.0
             self.work[slot] = 0.0
-        self.count[slot] = len(queue)
+        self.count[slot] = n
+
+    def resum(self, flat: int) -> None:
+        """Re-sum a rank's quota load, step-time work and request count from its queue
+        (O(queue); the incremental updates give the same figures bit for bit)."""
+        self._load_parts[flat] = []
+        self._work_parts[flat] = []
+        for r in self.queues[flat].values():
+            self._credit(r, 1.0)
+        self._refresh(flat)
 
     def engine_requests(self, engine: int) -> int:
         """Requests held by the ranks of ``engine``."""
@@ -251,17 +300,23 @@ class Ledger:
         touched: set[int] = set()
         quota = self.quota
         n_fin = 0
+        credit = self._credit
         for req, tok, fin in entries:
             if tok:
+                credit(req, -1.0)
                 req.done += tok
                 req.quota = quota(req.total - req.cached - req.done, req.cached + req.done)
+                if not fin:
+                    credit(req, 1.0)
+            elif fin:
+                credit(req, -1.0)
             touched.add(req.rank)
             if fin:
                 del requests[req.rid]
                 del self.queues[req.rank][req.rid]
                 n_fin += 1
         for f in touched:
-            self.resum(f)
+            self._refresh(f)
         return n_fin, touched
 
     def reported(
@@ -336,6 +391,13 @@ class Ledger:
                 seen += 1
             tol = 1e-9 * max(scale, 1e-300) * (len(queue) + 1)
             assert abs(flat[f] - total) <= tol, f"rank {f}: load {flat[f]} != quota sum {total}"
+            # The incremental exact sums are bit for bit the correctly rounded sums of the queue.
+            exact = math.fsum(r.quota for r in queue.values())
+            assert flat[f] == exact, f"rank {f}: load {flat[f]!r} != exact quota sum {exact!r}"
+            work = math.fsum(r.quota + self.moe * r.left for r in queue.values())
+            got = self.work[self.slot[f]]
+            assert got == work, f"rank {f}: work {got!r} != exact sum {work!r}"
+            assert math.fsum(self._load_parts[f]) == (exact if queue else 0.0)
             if not queue:
                 assert flat[f] == 0.0, f"rank {f}: empty queue with load {flat[f]}"
         assert seen == len(self.requests), "a request is in the ledger but in no queue"
