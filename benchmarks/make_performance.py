@@ -44,6 +44,12 @@ BENCH_JSON = RESULTS / "bench.json"
 #: Scripts that measure balance and write tables (``{"tables": [...]}``), in page order:
 #: (section title, script, arguments, results file).
 TABLE_SCRIPTS = (
+    (
+        "Where prefill goodput falls short of the ideal",
+        "prefill_misses.py",
+        (),
+        "prefill_misses.json",
+    ),  # fmt: skip
     ("EPLB balance and plan time", "eplb_targets.py", (), "eplb_targets.json"),
     ("EPLB re-planning under drift", "eplb_drift.py", (), "eplb_drift.json"),
     (
