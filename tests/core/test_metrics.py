@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -43,6 +45,31 @@ def test_balance_efficiency_is_a_ratio_of_sums_not_a_mean_of_ratios():
 def test_max_over_mean():
     assert max_over_mean([2.0, 2.0]) == 1.0
     np.testing.assert_allclose(max_over_mean([[1.0, 3.0], [0.0, 0.0]], axis=1), [1.5, 1.0])
+
+
+@given(loads, st.integers(-60, 60))
+def test_metrics_near_the_float_limit_are_the_scaled_figures(load, shift):
+    # Finite loads whose sums overflow float64 (max_over_mean([1e308, 1e308]) was 0.0): scaled
+    # by a power of two inside, the figures are exactly those of the same loads at a small scale.
+    with np.errstate(over="ignore"):
+        big = np.ldexp(load, 1000 + shift)
+    if not np.isfinite(big).all():
+        return
+    small = np.ldexp(load, -100)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert max_over_mean(big) == pytest.approx(max_over_mean(small), rel=1e-12)
+        np.testing.assert_allclose(max_over_mean(big, axis=0), max_over_mean(small, axis=0))
+        assert balance_efficiency(big) == pytest.approx(balance_efficiency(small), rel=1e-12)
+        p2l = np.tile(np.arange(load.shape[1]), (load.shape[0], 2))
+        np.testing.assert_allclose(moe_lb(big, p2l, num_gpus=2), moe_lb(small, p2l, num_gpus=2))
+
+
+def test_metrics_of_the_largest_finite_loads():
+    assert max_over_mean([1e308, 1e308]) == 1.0
+    assert max_over_mean([1.7e308, 0.0]) == 2.0
+    assert balance_efficiency([[1.7e308, 1.7e308], [1.7e308, 0.0]]) == pytest.approx(0.75)
+    np.testing.assert_allclose(moe_lb([[1.7e308, 1.7e308]], [[0, 1, 0, 1]], num_gpus=2), [1.0])
 
 
 def test_gpu_loads_and_moe_lb_split_experts_over_replicas():

@@ -18,6 +18,19 @@ from lbkit.core.validation import as_float_array, as_int_array, check_int
 
 __all__ = ["balance_efficiency", "gpu_loads", "imbalance", "max_over_mean", "moe_lb"]
 
+#: Above this largest value the ratios are computed on the values scaled by a power of two: the
+#: sums of up to 2**60 values of at most 2**962 stay finite, and scaling by a power of two is
+#: exact, so the ratios are what exact arithmetic on the unscaled values would round to.
+SAFE_MAX = 2.0**962
+
+
+def _safe(arr: np.ndarray) -> np.ndarray:
+    """``arr`` scaled by a power of two so that its sums cannot overflow (module constant)."""
+    peak = float(arr.max()) if arr.size else 0.0
+    if not peak > SAFE_MAX:
+        return arr
+    return np.ldexp(arr, -(int(np.frexp(peak)[1]) - 962))
+
 
 def balance_efficiency(load: Any, /) -> float:
     """Balance efficiency ``sum_t mean_r L[r,t] / sum_t max_r L[r,t]`` of a synchronous group.
@@ -46,6 +59,7 @@ def balance_efficiency(load: Any, /) -> float:
         arr = arr[:, None]
     elif arr.ndim != 2:
         raise ValueError(f"load: must be 1- or 2-dimensional (ranks, steps), got shape {arr.shape}")
+    arr = _safe(arr)
     peak = float(arr.max(axis=0).sum())
     if peak == 0.0:
         return 1.0
@@ -73,7 +87,7 @@ def max_over_mean(values: Any, /, *, axis: int = -1) -> Any:
     >>> max_over_mean([[0.0, 0.0], [1.0, 3.0]])
     array([1. , 1.5])
     """
-    arr = as_float_array(values, "values", nonnegative=True, allow_empty=False)
+    arr = _safe(as_float_array(values, "values", nonnegative=True, allow_empty=False))
     mean = arr.mean(axis=axis)
     peak = arr.max(axis=axis)
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -129,7 +143,8 @@ def moe_lb(weight: Any, phy2log: Any, /, *, num_gpus: int) -> np.ndarray:
     >>> moe_lb([[4.0, 2.0]], [[0, 0, 1, 1]], num_gpus=2)
     array([1.33333333])
     """
-    return np.asarray(max_over_mean(gpu_loads(weight, phy2log, num_gpus=num_gpus), axis=1))
+    w = _safe(as_float_array(weight, "weight", ndim=2, nonnegative=True))
+    return np.asarray(max_over_mean(gpu_loads(w, phy2log, num_gpus=num_gpus), axis=1))
 
 
 def _placement_iv(weight: Any, phy2log: Any, num_gpus: Any) -> tuple[np.ndarray, np.ndarray]:
