@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from lbkit.core import PRESETS, QuadraticCost
@@ -124,3 +124,42 @@ def test_bad_input(args, kwargs, exc, match):
     kw = {"cost": PRESETS["unit"].prefill, "budget_s": 10.0} | kwargs
     with pytest.raises(exc, match=match):
         plan_chunks(*args, **kw)
+
+
+def _exact_budget(cost, rem, pre, k, c):
+    """The step time of the schedule ``rem[:k] + [c]`` summed as the plan sums it."""
+    total = cost.a
+    for r, p in zip([*rem[:k], c], pre[: k + 1], strict=True):
+        total += r * (cost.linear_s_per_token + cost.k * p + cost.q * r) + cost.gamma * p
+    return total
+
+
+@given(
+    queue=st.lists(
+        st.tuples(st.integers(1, 5000), st.integers(0, 50_000)), min_size=1, max_size=3
+    ),  # fmt: skip
+    data=st.data(),
+    preset=st.sampled_from(["h800_dsv3", "unit"]),
+)
+@example(queue=[(1246, 21166), (1559, 13658), (4345, 41385)], data=None, preset="h800_dsv3")
+def test_a_budget_on_a_chunk_boundary_schedules_that_chunk(queue, data, preset):
+    # Budgets that sit exactly on a schedule's step time (the plan's own sum): the solver fits
+    # ``budget - total``, which rounds, so the plan corrects against its running sum both ways.
+    # Pinned: a budget of exactly one 510-token chunk once planned 509 tokens.
+    cost = PRESETS[preset].prefill
+    rem = [r for r, _ in queue]
+    pre = [p for _, p in queue]
+    if data is None:
+        k, c = 0, 510
+    else:
+        k = data.draw(st.integers(0, len(rem) - 1))
+        c = data.draw(st.integers(1, rem[k]))
+    budget = _exact_budget(cost, rem, pre, k, c)
+    plan = plan_chunks(rem, pre, cost=cost, budget_s=budget)
+    assert not plan.overrun and plan.step_time_s <= budget
+    assert plan.chunk_tokens.sum() >= sum(rem[:k]) + c
+    below = plan_chunks(rem, pre, cost=cost, budget_s=float(np.nextafter(budget, -np.inf)))
+    assert below.chunk_tokens.sum() <= plan.chunk_tokens.sum()
+    assert below.overrun or below.step_time_s < budget
+    if plan.chunk_tokens.sum() == sum(rem[:k]) + c and not below.overrun:
+        assert below.chunk_tokens.sum() < sum(rem[:k]) + c  # that schedule no longer fits

@@ -172,6 +172,39 @@ def test_plan_kernel_matches_plan_chunks(rem, pre, budget, min_chunk, align):
         assert t == want.step_time_s
 
 
+@given(
+    queue=st.lists(
+        st.tuples(st.integers(1, 5000), st.integers(0, 50_000)), min_size=1, max_size=3
+    ),  # fmt: skip
+    data=st.data(),
+)
+def test_plan_kernel_matches_plan_chunks_on_chunk_boundaries(queue, data):
+    # The budget is exactly the step time of a schedule (summed as the plan sums it), where
+    # both planners must correct the solver's chunk against their running sum the same way.
+    cost = H800.prefill
+    rem = [r for r, _ in queue]
+    pre = [p for _, p in queue]
+    k = data.draw(st.integers(0, len(rem) - 1))
+    c = data.draw(st.integers(1, rem[k]))
+    budget = cost.a
+    for r, p in zip([*rem[:k], c], pre[: k + 1], strict=True):
+        budget += r * (cost.linear_s_per_token + cost.k * p + cost.q * r) + cost.gamma * p
+    want = plan_chunks(rem, pre, cost=cost, budget_s=budget)
+    assert want.chunk_tokens.sum() >= sum(rem[:k]) + c
+    RI = np.zeros((K.N_RI, len(rem)), dtype=np.int64)
+    RI[K.RI_REM] = rem
+    RI[K.RI_PREFIX] = pre
+    RI[K.RI_NEXT] = [*range(1, len(rem)), -1]
+    P = np.zeros(K.N_P)
+    P[: K.P_BIN_S + 1] = [cost.a, cost.b, cost.k, cost.q, cost.gamma, budget, 1, 1, 1, 0, 1.0]
+    P[K.P_MOE] = cost.moe_s_per_token
+    for kernel in (_plan_kernels.plan_rank, _plan_kernels.plan_rank.py_func):
+        count, last, t = kernel(RI, P, 0)
+        assert count == len(want.chunk_tokens)
+        assert last == want.chunk_tokens[-1]
+        assert t == want.step_time_s
+
+
 def test_jit_parity_of_a_whole_replay(monkeypatch):
     t = _trace(60)
     jit = simulate_prefill(t, "least_tokens", num_engines=2, ranks_per_engine=2,

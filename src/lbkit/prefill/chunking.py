@@ -134,7 +134,11 @@ def plan_chunks(
         r, p = int(rem[i]), int(pre[i])
         left = budget - total
         c = min(int(variable.solve_chunk(left, p)), r) if left > 0 else 0
-        while c > 0 and total + _work(cost, c, p) > budget:  # exact against the running sum
+        # Exact against the running sum: the solver fits ``left = budget - total``, which
+        # rounds, so a token more may still fit (or the last one may not).
+        while c < r and total + _work(cost, c + 1, p) <= budget:
+            c += 1
+        while c > 0 and total + _work(cost, c, p) > budget:
             c -= 1
         if c < r:
             c = (c // align) * align

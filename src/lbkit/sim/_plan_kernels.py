@@ -107,6 +107,8 @@ def plan_rank(RI, P, head):
             c = solve_chunk(P, left, p)
             if c > r:
                 c = r
+        while c < r and total + plan_work(P, c + 1, p) <= budget:
+            c += 1
         while c > 0 and total + plan_work(P, c, p) > budget:
             c -= 1
         if c < r:
