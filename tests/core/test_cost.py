@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import assume, given
+from hypothesis import assume, example, given
 from hypothesis import strategies as st
 
 from lbkit.core import PRESETS, DecodeCost, QuadraticCost, preset
@@ -254,3 +254,55 @@ def test_presets():
     assert u.q * 2000**2 == pytest.approx(u.b * 2000)
     with pytest.raises(ValueError, match="name: must be one of"):
         preset("nope")
+
+
+@given(
+    cost=st.sampled_from([H800, UNIT]) | costs,
+    c=st.integers(1, 50_000),
+    prefix=st.integers(0, 200_000),
+)
+@example(cost=H800, c=108, prefix=12428)  # the closed form's floor is 107 here
+def test_solve_chunk_on_a_chunk_boundary(cost, c, prefix):
+    # A budget of exactly predict(c, p) fits c and one ulp less does not: the closed form's floor
+    # lands a token short in about one case in seven, and the exact correction must restore it.
+    budget = float(cost.predict(c, prefix))
+    if cost.predict(c + 1, prefix) == budget:  # a flat step of the rounded cost: c is no maximum
+        return
+    assert cost.solve_chunk(budget, prefix) == c
+    assert cost.solve_chunk(float(np.nextafter(budget, -np.inf)), prefix) == c - 1
+
+
+def test_fit_of_a_purely_linear_model():
+    # k = q = 0 in truth: the fit finds them zero (no refusal) and reproduces the data.
+    c = np.array([100, 200, 400, 800, 1600, 300])
+    p = np.array([0, 100, 0, 500, 0, 1000])
+    t = 0.5 + 0.001 * c
+    for tied in (True, False):
+        fit = QuadraticCost.fit(c, p, t, tied=tied)
+        assert fit.cost.a == pytest.approx(0.5) and fit.cost.b == pytest.approx(0.001)
+        assert fit.cost.k == pytest.approx(0.0, abs=1e-15) and fit.cost.q == pytest.approx(
+            0.0, abs=1e-15
+        )
+        assert fit.max_rel_error < 1e-12 and fit.r_squared_log == pytest.approx(1.0)
+
+
+@given(seed=st.integers(0, 2**16), noise=st.floats(0.02, 0.3))
+def test_fit_quality_figures_follow_their_definitions(seed, noise):
+    # Both ways: exact data give max_rel_error ~ 0 and r_squared_log ~ 1; noisy data give the
+    # figures their definitions compute from the fitted prediction (and a worse one).
+    rng = np.random.default_rng(seed)
+    c = rng.integers(64, 8192, size=40)
+    p = rng.integers(0, 32768, size=40)
+    exact = H800.predict(c, p)
+    clean = QuadraticCost.fit(c, p, exact)
+    assert clean.max_rel_error < 1e-6 and clean.r_squared_log > 1 - 1e-9
+    t = exact * np.exp(rng.normal(0.0, noise, size=40))
+    fit = QuadraticCost.fit(c, p, t)
+    pred = fit.cost.predict(c, p)
+    rel = pred / t - 1.0
+    assert fit.max_rel_error == pytest.approx(np.abs(rel).max(), rel=1e-9)
+    assert fit.rel_rmse == pytest.approx(np.sqrt((rel**2).mean()), rel=1e-9)
+    log_t = np.log(t)
+    want = 1 - ((np.log(pred) - log_t) ** 2).sum() / ((log_t - log_t.mean()) ** 2).sum()
+    assert fit.r_squared_log == pytest.approx(want, rel=1e-9, abs=1e-12)
+    assert fit.max_rel_error > clean.max_rel_error and fit.r_squared_log < clean.r_squared_log
