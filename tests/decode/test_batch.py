@@ -130,3 +130,69 @@ def test_bad_input_names_the_argument(kw, exc, match):
         s = []
     with pytest.raises(exc, match=match):
         assign_batch(b, s, new, **kw)
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+@given(
+    state=rank_states(),
+    kv=st.lists(st.integers(0, 30000), max_size=10),
+    scale=st.sampled_from(["mean", "capacity"]),
+    order=st.sampled_from(["longest_first", "given"]),
+    seed=st.integers(0, 2**16),
+)
+def test_batch_placements_are_each_the_least_score_among_feasible_ranks(
+    policy, state, kv, scale, order, seed
+):
+    # Each placement, replayed in the batch's order, is on a feasible rank whose score (under the
+    # batch's fixed normalisers) is the least among the feasible ranks: a batch that sends every
+    # request to one rank, or ignores scale="capacity", fails here.
+    b, s, _, kw = state
+    out = assign_batch(b, s, kv, policy=policy, order=order, scale=scale, cost=UNIT_MAX,
+                       rng=seed, **kw)  # fmt: skip
+    n, m = len(b), len(kv)
+    keys = np.random.default_rng(seed).random((m, n))
+    ok = kw.get("eligible")
+    elig = [r for r in range(n) if ok is None or ok[r]]
+    bhat = (sum(int(b[r]) for r in elig) + m) / len(elig) if elig else 0.0
+    shat = (sum(int(s[r]) for r in elig) + sum(kv)) / len(elig) if elig else 0.0
+    cb = np.broadcast_to(np.inf if kw.get("max_batch") is None else kw["max_batch"], n)
+    cs = np.broadcast_to(np.inf if kw.get("max_kv_tokens") is None else kw["max_kv_tokens"], n)
+    cur_b, cur_s, cursor = [int(x) for x in b], [int(x) for x in s], 0
+
+    def score(r, x, t):
+        bh, sh = bhat, shat
+        if scale == "capacity" and policy in ("sum_of_squares", "min_max"):
+            bh = float(cb[r]) if 0 < cb[r] < np.inf else bh
+            sh = float(cs[r]) if 0 < cs[r] < np.inf else sh
+        B, S = cur_b[r], cur_s[r]
+        if policy == "sum_of_squares":
+            return ((2 * B + 1) / bh**2 + (x * (2 * S + x) / sh**2 if sh > 0 else 0.0), 0.0)
+        if policy == "min_max":
+            x1, x2 = (B + 1) / bh, ((S + x) / sh if sh > 0 else 0.0)
+            return (max(x1, x2), x1 + x2)
+        if policy == "cost":
+            t1, t2 = UNIT_MAX.b * (B + 1), UNIT_MAX.k * (S + x)
+            return (UNIT_MAX.a + max(t1, t2), t1 + t2)
+        return {"round_robin": ((r - cursor) % n, 0.0), "least_requests": (B, 0.0),
+                "least_kv": (S, 0.0), "random": (keys[t, r], 0.0)}[policy]  # fmt: skip
+
+    seq = np.argsort(-np.asarray(kv, dtype=int), kind="stable") if order == "longest_first" \
+        else range(m)  # fmt: skip
+    for t, i in enumerate(seq):
+        good, reason = feasible(cur_b, cur_s, kv[i], kw)
+        assert out.reasons[i] == reason
+        if not good:
+            assert out.ranks[i] == -1
+            continue
+        r = int(out.ranks[i])
+        assert r in good
+        got, best = score(r, kv[i], t), min(score(q, kv[i], t) for q in good)
+        if policy in ("round_robin", "least_requests", "least_kv", "random"):
+            assert got == best  # exact scores: the least one, lowest index on ties
+            assert r == min(q for q in good if score(q, kv[i], t) == best)
+        else:
+            assert got[0] <= best[0] * (1 + 1e-12) + 1e-15
+        cur_b[r] += 1
+        cur_s[r] += kv[i]
+        cursor = (r + 1) % n
+    assert out.num_requests.tolist() == cur_b and out.kv_tokens.tolist() == cur_s
