@@ -67,12 +67,12 @@ def score_means(X, add_b, add_s, proj):
     Returns ``(bhat, shat)``; ``(0.0, 0.0)`` when no rank is eligible.
     """
     n = X.shape[1]
-    rb = 5 if proj else 0
+    rb = ROW_PB if proj else ROW_B  # the scored rows; +1 is their KV row
     m = 0
     sb = 0.0
     ss = 0.0
     for r in range(n):
-        if X[4, r] > 0.0:
+        if X[ROW_OK, r] > 0.0:
             m += 1
             sb += X[rb, r]
             ss += X[rb + 1, r]
@@ -97,8 +97,8 @@ def choose(X, s, s_score, code, capscale, bhat, shat, ca, cb, ck, cmax, cursor, 
       random: ``X[ROW_KEY, r]``.
     """
     n = X.shape[1]
-    rb = 5 if proj else 0
-    if code == 0 and not capscale:
+    rb = ROW_PB if proj else ROW_B  # the scored rows; +1 is their KV row
+    if code == SUM_OF_SQUARES and not capscale:
         best = _choose_sos(X, s, s_score, bhat, shat, rb)
         if best >= 0:
             return best
@@ -107,14 +107,14 @@ def choose(X, s, s_score, code, capscale, bhat, shat, ca, cb, ck, cmax, cursor, 
     p1 = np.inf
     p2 = np.inf
     for r in range(n):
-        capb = X[2, r]
-        caps = X[3, r]
-        if X[4, r] <= 0.0 or X[0, r] + 1.0 > capb or X[1, r] + s > caps:
+        capb = X[ROW_CAP_B, r]
+        caps = X[ROW_CAP_S, r]
+        if X[ROW_OK, r] <= 0.0 or X[ROW_B, r] + 1.0 > capb or X[ROW_S, r] + s > caps:
             continue  # out of service, or no room (see _refusal for the reason)
         b = X[rb, r]
         kv = X[rb + 1, r]
         q2 = 0.0
-        if code == 0 or code == 1:
+        if code == SUM_OF_SQUARES or code == MIN_MAX:
             bh = bhat
             sh = shat
             if capscale:
@@ -122,7 +122,7 @@ def choose(X, s, s_score, code, capscale, bhat, shat, ca, cb, ck, cmax, cursor, 
                     bh = capb
                 if 0.0 < caps < np.inf:
                     sh = caps
-            if code == 0:
+            if code == SUM_OF_SQUARES:
                 q1 = (2.0 * b + 1.0) / (bh * bh)
                 if sh > 0.0:
                     q1 += s_score * (2.0 * kv + s_score) / (sh * sh)
@@ -131,7 +131,7 @@ def choose(X, s, s_score, code, capscale, bhat, shat, ca, cb, ck, cmax, cursor, 
                 x2 = (kv + s_score) / sh if sh > 0.0 else 0.0
                 q1 = x1 if x1 >= x2 else x2
                 q2 = x1 + x2
-        elif code == 2:
+        elif code == COST:
             t1 = cb * (b + 1.0)
             t2 = ck * (kv + s_score)
             if cmax:
@@ -139,14 +139,14 @@ def choose(X, s, s_score, code, capscale, bhat, shat, ca, cb, ck, cmax, cursor, 
             else:
                 q1 = ca + t1 + t2
             q2 = t1 + t2
-        elif code == 3:
+        elif code == ROUND_ROBIN:
             q1 = float((r - cursor + n) % n)
-        elif code == 4:
+        elif code == LEAST_REQUESTS:
             q1 = b
-        elif code == 5:
+        elif code == LEAST_KV:
             q1 = kv
         else:
-            q1 = X[7, r]
+            q1 = X[ROW_KEY, r]
         if q1 < p1 or (q1 == p1 and q2 < p2):
             best = r
             p1 = q1
@@ -172,7 +172,11 @@ def _choose_sos(X, s, s_score, bhat, shat, rb):
     best = -1
     p1 = np.inf
     for r in range(n):
-        if X[4, r] > 0.0 and X[0, r] + 1.0 <= X[2, r] and X[1, r] + s <= X[3, r]:
+        if (
+            X[ROW_OK, r] > 0.0
+            and X[ROW_B, r] + 1.0 <= X[ROW_CAP_B, r]
+            and X[ROW_S, r] + s <= X[ROW_CAP_S, r]
+        ):
             q1 = X[rb, r] * wb + X[rb + 1, r] * ws2
             if q1 < p1:
                 best = r
@@ -189,15 +193,15 @@ def _refusal(X, s):
     n_broom = 0
     n_kroom = 0
     for r in range(n):
-        if X[4, r] <= 0.0:
+        if X[ROW_OK, r] <= 0.0:
             continue
         n_ok += 1
-        if s > X[3, r]:
+        if s > X[ROW_CAP_S, r]:
             continue
         n_len += 1
-        if X[0, r] + 1.0 <= X[2, r]:
+        if X[ROW_B, r] + 1.0 <= X[ROW_CAP_B, r]:
             n_broom += 1
-        if X[1, r] + s <= X[3, r]:
+        if X[ROW_S, r] + s <= X[ROW_CAP_S, r]:
             n_kroom += 1
     if n_ok == 0:
         return -1
@@ -220,18 +224,18 @@ def place(X, slots, P, slot, s, s_score, add_pb, add_ps, expect, order, cursor):
     tokens, generated tokens, expected output, admission order) is written. Returns the rank or
     ``-reason``.
     """
-    proj = P[6] > 0.0
+    proj = P[P_PROJ] > 0.0
     bhat, shat = score_means(X, 1.0, s_score, proj)
     r = choose(
-        X, float(s), float(s_score), int(P[0]), P[1] > 0.0, bhat, shat,
-        P[2], P[3], P[4], P[5] > 0.0, cursor, proj,
+        X, float(s), float(s_score), int(P[P_CODE]), P[P_CAPSCALE] > 0.0, bhat, shat,
+        P[P_A], P[P_B], P[P_K], P[P_CMAX] > 0.0, cursor, proj,
     )  # fmt: skip
     if r >= 0:
-        X[0, r] += 1.0
-        X[1, r] += s
+        X[ROW_B, r] += 1.0
+        X[ROW_S, r] += s
         if proj:
-            X[5, r] += add_pb
-            X[6, r] += add_ps
+            X[ROW_PB, r] += add_pb
+            X[ROW_PS, r] += add_ps
         slots[0, slot] = r
         slots[1, slot] = s
         slots[2, slot] = 0
@@ -250,20 +254,32 @@ def assign_sequence(X, kv, order, P, bhat, shat, cursor, keys, out):
     are the random policy's keys, one row per placement.
     """
     n = X.shape[1]
-    code = int(P[0])
+    code = int(P[P_CODE])
     for t in range(order.shape[0]):
         i = order[t]
         s = kv[i]
-        if code == 6:
+        if code == RANDOM:
             for r in range(n):
-                X[7, r] = keys[t, r]
+                X[ROW_KEY, r] = keys[t, r]
         r = choose(
-            X, s, s, code, P[1] > 0.0, bhat, shat, P[2], P[3], P[4], P[5] > 0.0, cursor, False
+            X,
+            s,
+            s,
+            code,
+            P[P_CAPSCALE] > 0.0,
+            bhat,
+            shat,
+            P[P_A],
+            P[P_B],
+            P[P_K],
+            P[P_CMAX] > 0.0,
+            cursor,
+            False,
         )
         out[i] = r
         if r >= 0:
-            X[0, r] += 1.0
-            X[1, r] += s
+            X[ROW_B, r] += 1.0
+            X[ROW_S, r] += s
             cursor = (r + 1) % n
     return cursor
 
@@ -271,10 +287,10 @@ def assign_sequence(X, kv, order, P, bhat, shat, cursor, keys, out):
 @jit
 def _shift(X, a, b, s):
     """Move one request of ``s`` KV tokens from rank ``a`` to rank ``b`` in the ledger rows."""
-    X[0, a] -= 1.0
-    X[1, a] -= s
-    X[0, b] += 1.0
-    X[1, b] += s
+    X[ROW_B, a] -= 1.0
+    X[ROW_S, a] -= s
+    X[ROW_B, b] += 1.0
+    X[ROW_S, b] += s
 
 
 @jit
@@ -311,7 +327,7 @@ def migrate(X, rank, kv, moved, bhat, shat, max_moves, out_req, out_dst, heavies
             top = -1.0
             for r in range(n):
                 if has[r]:
-                    f = X[0, r] * X[0, r] * ib + X[1, r] * X[1, r] * isq
+                    f = X[ROW_B, r] * X[ROW_B, r] * ib + X[ROW_S, r] * X[ROW_S, r] * isq
                     if f > top:
                         top = f
                         src = r
@@ -320,14 +336,17 @@ def migrate(X, rank, kv, moved, bhat, shat, max_moves, out_req, out_dst, heavies
                 continue
             a = rank[i]
             s = kv[i]
-            base_b = X[0, a]
-            base_s = X[1, a]
+            base_b = X[ROW_B, a]
+            base_s = X[ROW_S, a]
             for b in range(n):
-                if b == a or X[4, b] <= 0.0:
+                if b == a or X[ROW_OK, b] <= 0.0:
                     continue
-                if X[0, b] + 1.0 > X[2, b] or X[1, b] + s > X[3, b]:
+                if X[ROW_B, b] + 1.0 > X[ROW_CAP_B, b] or X[ROW_S, b] + s > X[ROW_CAP_S, b]:
                     continue
-                d = 2.0 * (X[0, b] - base_b + 1.0) * ib + 2.0 * s * (X[1, b] - base_s + s) * isq
+                d = (
+                    2.0 * (X[ROW_B, b] - base_b + 1.0) * ib
+                    + 2.0 * s * (X[ROW_S, b] - base_s + s) * isq
+                )
                 if d < best:
                     best = d
                     bi = i
@@ -353,10 +372,10 @@ def _room_source(X, s, grow, tried):
     best_d = np.inf
     best_e = np.inf
     for r in range(n):
-        if tried[r] or X[4, r] <= 0.0 or X[3, r] < s or X[2, r] < 1.0:
+        if tried[r] or X[ROW_OK, r] <= 0.0 or X[ROW_CAP_S, r] < s or X[ROW_CAP_B, r] < 1.0:
             continue
-        d = X[1, r] + s + grow * (X[0, r] + 1.0) - X[3, r]
-        e = X[0, r] + 1.0 - X[2, r]
+        d = X[ROW_S, r] + s + grow * (X[ROW_B, r] + 1.0) - X[ROW_CAP_S, r]
+        e = X[ROW_B, r] + 1.0 - X[ROW_CAP_B, r]
         if d < best_d or (d == best_d and e < best_e):
             src = r
             best_d = d
@@ -408,7 +427,7 @@ def make_room(X, rank, kv, s, P, grow, max_moves, tries, out_req, out_dst):
     tried = np.zeros(n, dtype=np.bool_)
     skip = np.zeros(m, dtype=np.bool_)
     on = np.empty(m, dtype=np.int64)
-    code = int(P[0])
+    code = int(P[P_CODE])
     last = -1
     for _ in range(tries):
         src, d, e = _room_source(X, s, grow, tried)
@@ -422,7 +441,7 @@ def make_room(X, rank, kv, s, P, grow, max_moves, tries, out_req, out_dst):
             if rank[i] == src:
                 on[k_on] = i
                 k_on += 1
-        X[4, src] = 0.0  # no move goes back to the source
+        X[ROW_OK, src] = 0.0  # no move goes back to the source
         done = 0
         ok = True
         while d > 0.0 or e > 0.0:
@@ -433,7 +452,19 @@ def make_room(X, rank, kv, s, P, grow, max_moves, tries, out_req, out_dst):
             k = kv[pick]
             bhat, shat = score_means(X, 1.0, k, False)
             g = choose(
-                X, k, k, code, P[1] > 0.0, bhat, shat, P[2], P[3], P[4], P[5] > 0.0, 0, False
+                X,
+                k,
+                k,
+                code,
+                P[P_CAPSCALE] > 0.0,
+                bhat,
+                shat,
+                P[P_A],
+                P[P_B],
+                P[P_K],
+                P[P_CMAX] > 0.0,
+                0,
+                False,
             )
             skip[pick] = True
             if g < 0:
@@ -445,7 +476,7 @@ def make_room(X, rank, kv, s, P, grow, max_moves, tries, out_req, out_dst):
             done += 1
             d -= k + grow
             e -= 1.0
-        X[4, src] = 1.0
+        X[ROW_OK, src] = 1.0
         if ok:
             return done, src, True
         for t in range(done - 1, -1, -1):  # roll back this source's moves
@@ -459,8 +490,8 @@ def make_room(X, rank, kv, s, P, grow, max_moves, tries, out_req, out_dst):
 def warmup() -> None:
     """Compile every kernel of this module on tiny inputs."""
     X = np.zeros((NUM_ROWS, 3))
-    X[2:4] = np.inf
-    X[4] = 1.0
+    X[ROW_CAP_B : ROW_CAP_S + 1] = np.inf
+    X[ROW_OK] = 1.0
     slots = np.zeros((5, 2), dtype=np.int64)
     P = np.zeros(NUM_PARAMS)
     place(X, slots, P, 0, 5, 5, 0.0, 0.0, -1, 0, 0)
@@ -468,10 +499,10 @@ def warmup() -> None:
     out = np.zeros(2, dtype=np.int64)
     assign_sequence(X, kv, np.array([0, 1]), P, 1.0, 1.0, 0, np.zeros((2, 3)), out)
     X = np.zeros((NUM_ROWS, 2))
-    X[2:4] = np.inf
-    X[4] = 1.0
-    X[0, 0], X[1, 0] = 2.0, 5.0
+    X[ROW_CAP_B : ROW_CAP_S + 1] = np.inf
+    X[ROW_OK] = 1.0
+    X[ROW_B, 0], X[ROW_S, 0] = 2.0, 5.0
     rank = np.zeros(2, dtype=np.int64)
     migrate(X, rank, kv, np.zeros(2, dtype=np.bool_), 1.0, 2.5, 1, out, out.copy())
-    X[3] = 6.0
+    X[ROW_CAP_S] = 6.0
     make_room(X, np.zeros(2, dtype=np.int64), kv, 4.0, P, 0.0, 2, 2, out, out.copy())
