@@ -299,3 +299,28 @@ def test_a_batch_beyond_the_capacity_calibrates_to_the_capacity_bound():
     lo, hi = OCCUPANCY_RANGE
     assert m["meaningful"] == (lo <= m["mean_running_per_rank"] <= hi) and not rep["meaningful"]
     assert m["waited"] > 0 and m["finished"] + m["refused"] == m["arrived"]
+
+
+def test_per_bucket_decode_metrics_are_each_buckets_own_requests():
+    # Prompts on both sides of the 16K edge, one request refused (longer than the rank's KV):
+    # each bucket counts its arrivals and its TPOT percentiles are those of its own requests.
+    prompt = [1000, 20000, 3000, 70000, 500, 17000, 900]
+    t = _trace([0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6], prompt, [4, 3, 5, 2, 6, 3, 1])
+    run = simulate_decode(t, "least_requests", num_engines=1, ranks_per_engine=2, cost=UNIT,
+                          max_kv_tokens=65000)  # fmt: skip
+    m = decode_metrics(run, total_tokens=np.array(prompt), edges=(16384, 65536))
+    per = m["per_bucket"]
+    tpot = np.where(run.finished, run.tpot_s, np.nan)
+    groups = {"<16K": [0, 2, 4, 6], "16K-64K": [1, 5], ">=64K": [3]}
+    assert set(per) == set(groups)
+    for label, idx in groups.items():
+        assert per[label]["requests"] == len(idx)
+        v = tpot[idx]
+        v = v[np.isfinite(v)]
+        if v.size:
+            assert per[label]["tpot_p50_s"] == pytest.approx(float(np.percentile(v, 50)))
+            assert per[label]["tpot_p99_s"] == pytest.approx(float(np.percentile(v, 99)))
+        else:
+            assert per[label]["tpot_p50_s"] is None
+    assert run.refused[3] and per[">=64K"]["tpot_p50_s"] is None  # 70,000 > the KV capacity
+    assert sum(e["requests"] for e in per.values()) == m["arrived"]
