@@ -504,3 +504,21 @@ def test_numpy_integer_ids_are_stored_as_int():
     with pytest.raises(TypeError, match="request_id: must be an int or a str, got bool"):
         bal.route(True, 50, 0, now_s=0.0)
     bal._check()
+
+
+def test_a_whole_prompt_in_cache_still_computes_its_last_token():
+    # cached_tokens == total_tokens (one figure, or on one rank) used to be routed and then
+    # skipped by plan_engine for ever; the engine computes the last prompt token for its logits.
+    bal = PrefillBalancer(1, 2, cost=PRESETS["h800_dsv3"].prefill)
+    hits = np.array([1024, 0])
+    assert bal.route("a", 1024, 1024, now_s=0.0).rank == 0
+    assert bal.route("b", 1024, hits, now_s=0.0).rank == 0
+    assert hits.tolist() == [1024, 0]  # the caller's array is not changed
+    plan = bal.plan_engine(0, budget_s=1.0)
+    assert plan.request_ids[0] == ("a", "b") and plan.plans[0].chunk_tokens.tolist() == [1, 1]
+    for rid in ("a", "b"):
+        assert bal.chunk_done(rid, 1, now_s=0.1) == 0
+        bal.finish(rid, now_s=0.1)
+    bal._check()
+    st_ = bal.statistics()
+    assert (st_.queued, st_.routed, st_.finished) == (0, 2, 2)

@@ -297,7 +297,9 @@ class PrefillBalancer:
             Prefix already in KV cache (``0 <= cached_tokens <= total_tokens``): one figure
             (a cache shared by the pool) or one per flat rank (each rank its own cache, e.g.
             from a prefix index fed by KV events); the request is charged the work of what
-            it computes on the rank it gets.
+            it computes on the rank it gets. A whole prompt in cache still computes its last
+            token, whose logits give the first output token (as vLLM and SGLang do): the request
+            is charged ``total_tokens - 1`` cached tokens there.
         now_s : float
             Current time, seconds.
 
@@ -320,8 +322,9 @@ class PrefillBalancer:
         ``fill_holes`` or ``spill_ratio`` at most three more over the active ranks).
         """
         hits = None
+        full = False  # some rank holds the whole prompt
         if type(cached_tokens) is not int and isinstance(cached_tokens, (np.ndarray, list, tuple)):
-            hits, cached_tokens = self._hits_iv(cached_tokens, total_tokens)
+            hits, cached_tokens, full = self._hits_iv(cached_tokens, total_tokens)
         if not (
             type(total_tokens) is int
             and type(cached_tokens) is int
@@ -336,6 +339,11 @@ class PrefillBalancer:
         led = self._ledger
         if request_id in led.requests:
             raise ValueError(f"request_id: {request_id!r} is already in the ledger")
+        if full or cached_tokens == total_tokens:
+            # A full hit still computes the last prompt token (the docstring).
+            cached_tokens = min(cached_tokens, total_tokens - 1)
+            if hits is not None:
+                hits = np.minimum(hits, total_tokens - 1)
         bucket = bisect.bisect_right(self._edges, total_tokens)
         slot, reason, cached = self._choose(bucket, total_tokens, cached_tokens, hits)
         quota = led.quota(total_tokens - cached, cached)
@@ -348,8 +356,8 @@ class PrefillBalancer:
         self._counts["routed"] += 1
         return RouteDecision(flat // self._ranks, flat % self._ranks, bucket, reason)
 
-    def _hits_iv(self, cached_tokens: Any, total_tokens: Any) -> tuple[np.ndarray, int]:
-        # Per-rank cached tokens and their least. The common case, an int64 array of the right
+    def _hits_iv(self, cached_tokens: Any, total_tokens: Any) -> tuple[np.ndarray, int, bool]:
+        # Per-rank cached tokens, their least and whether one is the whole prompt. The common case, an int64 array of the right
         # shape and a valid total, costs one kernel pass; anything else is validated in full.
         n = self.num_ranks
         if (
@@ -360,17 +368,17 @@ class PrefillBalancer:
         ):
             lo, hi = int_bounds(cached_tokens)
             if 0 <= lo and hi <= total_tokens:
-                return cached_tokens, int(lo)
+                return cached_tokens, int(lo), hi == total_tokens
         total = as_tokens(total_tokens, "total_tokens")
         hits = as_int_array(cached_tokens, "cached_tokens", shape=(n,), min_value=0)
         if not hits.shape[0]:
-            return hits, 0
-        if int(hits.max()) > total:
+            return hits, 0, False
+        hi = int(hits.max())
+        if hi > total:
             raise ValueError(
-                f"cached_tokens: must be <= total_tokens ({total}) on every rank, "
-                f"got {int(hits.max())}"
+                f"cached_tokens: must be <= total_tokens ({total}) on every rank, got {hi}"
             )
-        return hits, int(hits.min())
+        return hits, int(hits.min()), hi == total
 
     @staticmethod
     def _route_iv(total_tokens: Any, cached_tokens: Any, now_s: Any) -> tuple[int, int, float]:
