@@ -49,7 +49,7 @@ TABLE_SCRIPTS = (
         "prefill_misses.py",
         (),
         "prefill_misses.json",
-    ),  # fmt: skip
+    ),
     ("EPLB balance and plan time", "eplb_targets.py", (), "eplb_targets.json"),
     ("EPLB re-planning under drift", "eplb_drift.py", (), "eplb_drift.json"),
     (

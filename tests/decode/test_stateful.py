@@ -223,9 +223,9 @@ class DecodeMachine(RuleBasedStateMachine):
             m.migrated += 1
             value = migration_objective(*m.loads())
             if i + 1 == n_room:
-                assert any(
-                    m.state[r] == "active" and self._room(r, self.room) for r in range(N)
-                ), "the room moves freed no rank"
+                assert any(m.state[r] == "active" and self._room(r, self.room) for r in range(N)), (
+                    "the room moves freed no rank"
+                )
             if i >= n_room:
                 assert value < last  # every balance move lowers the objective
             last = value

@@ -135,9 +135,7 @@ def _exact_budget(cost, rem, pre, k, c):
 
 
 @given(
-    queue=st.lists(
-        st.tuples(st.integers(1, 5000), st.integers(0, 50_000)), min_size=1, max_size=3
-    ),  # fmt: skip
+    queue=st.lists(st.tuples(st.integers(1, 5000), st.integers(0, 50_000)), min_size=1, max_size=3),
     data=st.data(),
     preset=st.sampled_from(["h800_dsv3", "unit"]),
 )

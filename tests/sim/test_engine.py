@@ -173,9 +173,7 @@ def test_plan_kernel_matches_plan_chunks(rem, pre, budget, min_chunk, align):
 
 
 @given(
-    queue=st.lists(
-        st.tuples(st.integers(1, 5000), st.integers(0, 50_000)), min_size=1, max_size=3
-    ),  # fmt: skip
+    queue=st.lists(st.tuples(st.integers(1, 5000), st.integers(0, 50_000)), min_size=1, max_size=3),
     data=st.data(),
 )
 def test_plan_kernel_matches_plan_chunks_on_chunk_boundaries(queue, data):

@@ -357,8 +357,9 @@ class PrefillBalancer:
         return RouteDecision(flat // self._ranks, flat % self._ranks, bucket, reason)
 
     def _hits_iv(self, cached_tokens: Any, total_tokens: Any) -> tuple[np.ndarray, int, bool]:
-        # Per-rank cached tokens, their least and whether one is the whole prompt. The common case, an int64 array of the right
-        # shape and a valid total, costs one kernel pass; anything else is validated in full.
+        # Per-rank cached tokens, their least and whether one is the whole prompt. The common
+        # case, an int64 array of the right shape and a valid total, costs one kernel pass;
+        # anything else is validated in full.
         n = self.num_ranks
         if (
             type(cached_tokens) is np.ndarray
