@@ -30,7 +30,8 @@ Importing this module needs neither SGLang nor torch.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from lbkit.core.validation import as_float_array, check_int
@@ -59,12 +60,14 @@ ENABLE_ENV = "LBKIT_EPLB"
 SGLANG_VERSION_CHECKED = "0.5.23"
 
 #: SGLang algorithm names lbkit plans for, and the lbkit policy each means.
-LBKIT_ALGORITHMS = {
-    "deepseek": "global",
-    "deepseek_hierarchical": "hierarchical",
-    "deepseek_vec": "global",
-    "deepseek_vec_hierarchical": "hierarchical",
-}
+LBKIT_ALGORITHMS: Mapping[str, str] = MappingProxyType(
+    {
+        "deepseek": "global",
+        "deepseek_hierarchical": "hierarchical",
+        "deepseek_vec": "global",
+        "deepseek_vec_hierarchical": "hierarchical",
+    }
+)
 
 #: Attribute of the installed dispatcher that holds SGLang's own.
 _ORIGINAL = "__lbkit_original__"
