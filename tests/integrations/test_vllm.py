@@ -140,9 +140,10 @@ def test_a_rearrangement_as_vllm_runs_it(vllm, torch, case):
     assert moves(new, again) < moves(new, fresh)
 
 
-def test_profile_run_with_zero_loads(vllm, torch):
+@pytest.mark.parametrize("case", CASES)
+def test_profile_run_with_zero_loads(vllm, torch, case):
     register()
-    layers, experts, slots, groups, nodes, ranks, _ = CASES["hierarchical"]
+    layers, experts, slots, groups, nodes, ranks, _ = CASES[case]
     zeros = torch.zeros((layers, experts), dtype=torch.int64)
     current = torch.arange(slots).remainder(experts).repeat(layers, 1)
     new = vllm.rearrange("default", zeros, slots, groups, nodes, ranks, current)
