@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from lbkit.core._jit import jit
+from lbkit.core._jit import entry, jit
 
 __all__ = [
     "apportion_minmax",
@@ -148,7 +148,7 @@ def _greedy_layer(w, num_phy, num_groups, num_nodes, num_gpus, phy2log, phyrank,
             logcnt[mlog2log[n * log_per_node + j]] = mcnt[j]
 
 
-@jit
+@entry
 def greedy_plan(weight, num_phy, num_groups, num_nodes, num_gpus, phy2log, phyrank, logcnt):
     """DeepSeek's greedy plan for every layer (``num_groups = num_nodes = 1`` for global).
 
@@ -1154,7 +1154,7 @@ def partition_groups(group_load, num_nodes, node_budget, node_of_group):
     return True
 
 
-@jit
+@entry
 def default_plan(
     weight, num_phy, num_groups, num_nodes, num_gpus, max_evals, stop_gap, phy2log, logcnt
 ):
@@ -1385,7 +1385,7 @@ def _enumerate_bound(sub_bound, num_groups, num_nodes, per_node):
     return best
 
 
-@jit
+@entry
 def lower_bound_layers(weight, num_phy, num_groups, num_nodes, num_gpus, out):
     """Per-layer lower bound on the largest GPU load (absolute units, not divided by the mean).
 
