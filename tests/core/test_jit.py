@@ -117,17 +117,17 @@ def test_compiled_kernels_are_loaded_from_the_disk_cache(tmp_path):
     code = """
         import json, numpy as np
         from lbkit.core import _jit
-        from lbkit.eplb import _kernels
+        from lbkit.eplb import _primitives
         with _jit.record_kernels() as events:
-            _kernels.apportion_minmax(np.array([3.0, 1.0]), 3, np.empty(2, dtype=np.int64))
+            _primitives.apportion_minmax(np.array([3.0, 1.0]), 3, np.empty(2, dtype=np.int64))
         print(json.dumps([[e.kernel, e.how] for e in events if not e.nested]))
     """
     env = {"LBKIT_CACHE_DIR": str(tmp_path), "LBKIT_JIT": "inline"}
     first = json.loads(_run(code, env))
     if not first:  # no disk cache on this platform
         return
-    assert first == [["lbkit.eplb._kernels.apportion_minmax", "compiled"]]
-    assert json.loads(_run(code, env)) == [["lbkit.eplb._kernels.apportion_minmax", "cache"]]
+    assert first == [["lbkit.eplb._primitives.apportion_minmax", "compiled"]]
+    assert json.loads(_run(code, env)) == [["lbkit.eplb._primitives.apportion_minmax", "cache"]]
 
 
 def test_background_compiler_exits_at_once_for_a_package_without_kernels(tmp_path):

@@ -68,13 +68,13 @@ CASES = (
 METHODS = ("default", "greedy")
 
 
-def compute() -> dict[str, np.ndarray]:
-    """Every array of the golden record, keyed ``case/method/field``."""
+def compute(cases: tuple[tuple, ...] | list[tuple] = CASES) -> dict[str, np.ndarray]:
+    """Every array of the golden record for ``cases``, keyed ``case/method/field``."""
     from lbkit.eplb import lower_bound, rebalance_experts
 
     loads = _loads()
     out: dict[str, np.ndarray] = {}
-    for name, load, replicas, groups, nodes, gpus, policy in CASES:
+    for name, load, replicas, groups, nodes, gpus, policy in cases:
         w = loads[load]
         for method in METHODS:
             plan = rebalance_experts(w, replicas, groups, nodes, gpus, method=method, policy=policy)

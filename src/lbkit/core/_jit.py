@@ -16,11 +16,11 @@ thread pools). Two decorators:
 **When an entry compiles** (``LBKIT_JIT``, read at each call):
 
 - ``"background"`` (default): while no compiled copy exists, the entry runs as Python, and
-  the first such call starts ``lbkit._warmup.main(['--background', PACKAGE])``: a separate, low-priority
-  process that compiles the package's kernels into the disk cache and exits. Later calls load
-  them from there. It is a process, not a thread, so it never holds this process's GIL or
-  compiler lock (a fork in the meantime is safe), and it outlives nothing it needs. Without a
-  disk cache nothing is started.
+  the first such call then starts ``lbkit._warmup.main(["--background", PACKAGE])``: a
+  separate, low-priority process that compiles the package's kernels into the disk cache and
+  exits. Later calls load them from there. It is a process, not a thread, so it never holds
+  this process's GIL or compiler lock (a fork in the meantime is safe), and it needs nothing
+  of this process once started. Without a disk cache nothing is started.
 - ``"inline"``: the first call compiles (numba's own behaviour); the test suite uses it.
 - ``"python"``: entries compile only in :func:`lbkit.warmup`.
 
@@ -412,7 +412,10 @@ def _twin(kernel: Any) -> Any:
     twin = _TWINS.get(id(func))
     if twin is None:
         twin = types.FunctionType(
-            func.__code__, _namespace(func.__globals__), func.__name__, func.__defaults__,
+            func.__code__,
+            _namespace(func.__globals__),
+            func.__name__,
+            func.__defaults__,
             func.__closure__,
         )
         twin.__qualname__ = func.__qualname__
@@ -511,9 +514,10 @@ class Entry:
         mode = jit_mode()
         if mode == "inline":
             return self.dispatcher(*args)
-        if mode == "background":
+        result = self.interpreted(*args)
+        if mode == "background":  # after the call, so that the compiler does not slow it down
             _start_background_compile(self.__module__.split(".")[1])
-        return self.interpreted(*args)
+        return result
 
     def __repr__(self) -> str:
         return f"<lbkit entry kernel {self.__module__}.{self.__qualname__}>"
