@@ -179,11 +179,112 @@ def main() -> None:
             result["inline"] = _run(_CACHED, cache, "inline")
         log(f"inline (compiling in the process): {result['inline']}", start)
     result["load_avg_after"] = load_avg()
+    result["tables"] = tables(result)
     text = json.dumps(result, indent=1)
     if args.json:
         with open(args.json, "w") as f:
             f.write(text + "\n")
     print(text)
+
+
+def tables(result: dict) -> list[dict]:
+    """The figures of a run as ``{"title", "note", "columns", "rows"}`` tables."""
+    load = (
+        f"load average {result['load_avg_before'][0]:g} at the start"
+        if result.get("load_avg_before")
+        else "load average unknown"
+    )
+    out = [
+        {
+            "title": "EPLB cold start: the first plan of a fresh process",
+            "note": (
+                "58 x 256 DeepSeek-V3-shaped loads (lognormal, seed 0); each row a fresh process "
+                "with an empty kernel cache (`LBKIT_JIT=python`: the entry kernels run as Python "
+                "until compiled). Compile = `lbkit.warmup(packages=('eplb',))` afterwards in the "
+                "same process (every EPLB kernel); warm = median of 5 plans after it; identical = "
+                f"the first plan equals the compiled one. 2 cores shared with other work, {load}."
+            ),
+            "columns": [
+                "shape",
+                "import (s)",
+                "first plan (s)",
+                "compile (s)",
+                "warm plan (ms)",
+                "identical",
+            ],
+            "rows": [
+                [
+                    r["shape"],
+                    round(r["import_s"], 2),
+                    round(r["first_s"], 2),
+                    round(r["compile_s"], 1) if "compile_s" in r else None,
+                    round(r["warm_s"] * 1e3, 1) if "warm_s" in r else None,
+                    r.get("identical"),
+                ]
+                for r in result["eplb_first"]
+            ],
+        }
+    ]
+    bg, cached = result["background"], result["cached"]
+    calls = sorted(bg["calls_s"][:-1]) or [float("nan")]
+    life = [
+        ["first plan, empty cache (runs as Python)", round(bg["first_s"], 2)],
+        ["plans while the background process compiles (median)", round(calls[len(calls) // 2], 2)],
+        ["compiled kernels loaded after", round(bg.get("compiled_after_s", float("nan")), 1)],
+        ["warm plan", round(bg["warm_s"], 3)],
+        ["next process, cache filled: import", round(cached["import_s"], 2)],
+        ["next process, cache filled: first plan", round(cached["first_s"], 2)],
+    ]
+    if "inline" in result:
+        life.append(
+            [
+                "first plan compiling in the process (LBKIT_JIT=inline)",
+                round(result["inline"]["first_s"], 1),
+            ]
+        )
+    out.append(
+        {
+            "title": "EPLB cold start: the default mode end to end",
+            "note": (
+                "288 slots / 32 GPUs (hierarchical, 4 nodes), 58 x 256; a fresh process with an "
+                "empty kernel cache in the default mode (`LBKIT_JIT=background`), a plan every "
+                "5 s until the background process's kernels are loaded; then a second fresh "
+                "process on the cache it filled. Seconds."
+            ),
+            "columns": ["step", "seconds"],
+            "rows": life,
+        }
+    )
+    out.append(
+        {
+            "title": "Router cold start: import and warmup",
+            "note": (
+                "A fresh process: `import lbkit.PACKAGE`, then `lbkit.warmup(packages=(PACKAGE,))`"
+                " (every kernel of the package, an upper bound on a router's first decision), "
+                "with an empty kernel cache and again on the cache the first run filled."
+            ),
+            "columns": [
+                "package",
+                "import (s)",
+                "warmup, empty cache (s)",
+                "kernels compiled",
+                "warmup, cache filled (s)",
+                "kernels loaded",
+            ],
+            "rows": [
+                [
+                    r["package"],
+                    round(r["empty_cache"]["import_s"], 2),
+                    round(r["empty_cache"]["warmup_s"], 1),
+                    r["empty_cache"]["compiled"],
+                    round(r["filled_cache"]["warmup_s"], 2),
+                    r["filled_cache"]["loaded"],
+                ]
+                for r in result["routers"]
+            ],
+        }
+    )
+    return out
 
 
 def _wait_for_compiler(cache: str, limit_s: float = 1800.0) -> None:

@@ -136,3 +136,67 @@ def test_background_compiler_exits_at_once_for_a_package_without_kernels(tmp_pat
         print(w.main(["--background", "core"]))
     """
     assert _run(code, {"LBKIT_CACHE_DIR": str(tmp_path)}) == "0"
+
+
+def test_concurrent_saves_of_several_signatures_stay_consistent(tmp_path):
+    """numba issue 4807: processes saving different signatures of one kernel at once must not
+    pair an index entry with another signature's code (the saves hold write.lock)."""
+    compile_one = """
+        import sys, numpy as np
+        from lbkit.eplb import _primitives
+        dtype = {"f8": np.float64, "f4": np.float32, "i8": np.int64}[sys.argv[1]]
+        print(_primitives._argmax(np.array([1, 5, 3], dtype=dtype)))
+    """
+    env = dict(os.environ, PYTHONPATH=SRC, LBKIT_CACHE_DIR=str(tmp_path), LBKIT_JIT="inline")
+    env.pop("NUMBA_DISABLE_JIT", None)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(compile_one), kind],
+            env=env,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for kind in ("f8", "f4", "i8")
+    ]
+    assert [p.communicate(timeout=600)[0].strip() for p in procs] == ["1", "1", "1"]
+    assert all(p.returncode == 0 for p in procs)
+    check = """
+        import json, numpy as np
+        from lbkit.core import _jit
+        from lbkit.eplb import _primitives
+        out = []
+        with _jit.record_kernels() as events:
+            for dtype in (np.float64, np.float32, np.int64):
+                out.append(int(_primitives._argmax(np.array([2, 0, 7, 1], dtype=dtype))))
+        print(json.dumps([out, sorted({e.how for e in events})]))
+    """
+    got = json.loads(_run(check, {"LBKIT_CACHE_DIR": str(tmp_path), "LBKIT_JIT": "inline"}))
+    if _jit.cache_dir() is None:
+        return
+    assert got == [[2, 2, 2], ["cache"]]
+
+
+def test_a_save_waits_for_the_write_lock(monkeypatch, tmp_path):
+    """While another process holds write.lock, a compile finishes but its save waits."""
+    monkeypatch.setenv("LBKIT_CACHE_DIR", str(tmp_path))
+    if _jit.cache_dir() is None:
+        return
+    code = """
+        import numpy as np
+        from lbkit.eplb import _primitives
+        print(_primitives._argmax(np.array([1.0, 5.0, 3.0])))
+    """
+    env = dict(os.environ, PYTHONPATH=SRC, LBKIT_CACHE_DIR=str(tmp_path), LBKIT_JIT="inline")
+    env.pop("NUMBA_DISABLE_JIT", None)
+    with _jit.file_lock("write.lock") as held:
+        assert held
+        proc = subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(code)], env=env, stdout=subprocess.PIPE
+        )
+        # Compiling _argmax takes a second or two; the save must then wait for the lock. (Under
+        # a very heavy load the compile alone may outlast the wait, and this checks nothing.)
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(timeout=8)
+        assert not list(Path(_jit.cache_dir()).rglob("*.nbi"))
+    assert proc.communicate(timeout=600)[0].strip() == b"1"
+    assert list(Path(_jit.cache_dir()).rglob("*_argmax*.nbi"))

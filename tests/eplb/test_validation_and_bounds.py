@@ -214,7 +214,8 @@ def test_nodes_solved_to_the_reached_load_lose_no_balance(seed):
             w = weight[layer].reshape(groups, -1)[node_of_group == n].ravel()
             c = np.empty(len(w), dtype=np.int64)
             exp = np.empty((gpus // nodes, slots), dtype=np.int64)
-            each.append(_count_search.solve_subproblem(w, gpus // nodes, slots, 64, 5e-4, c, exp))
+            args = (gpus // nodes, slots, 64, 5e-4, 0.0, c, exp)
+            each.append(_count_search.solve_subproblem(w, *args))
         assert ours[layer].max() <= max(each) * (1 + 1e-12)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from lbkit.core._jit import entry, jit
-from lbkit.eplb._partition import partition_groups
+from lbkit.eplb._partition import PARTITION_BUDGET, partition_groups
 from lbkit.eplb._primitives import _argmax
 
 __all__ = ["lower_bound_layers", "subproblem_bound", "warmup"]
@@ -207,7 +207,7 @@ def lower_bound_layers(weight, num_phy, num_groups, num_nodes, num_gpus, out):
                 for j in range(group_size):
                     s += w[g * group_size + j]
                 group_load[g] = s
-            if partition_groups(group_load, num_nodes, 2_000_000, node_of_group):
+            if partition_groups(group_load, num_nodes, PARTITION_BUDGET, node_of_group):
                 nload[:] = 0.0
                 for g in range(num_groups):
                     nload[node_of_group[g]] += group_load[g]

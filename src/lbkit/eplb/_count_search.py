@@ -22,12 +22,12 @@ from lbkit.eplb._primitives import (
     apportion_minmax,
 )
 
-__all__ = ["SECOND_RECEIVERS", "SECOND_STARTS", "solve_subproblem", "solve_subproblem_to"]
+__all__ = ["SECOND_RECEIVERS", "SECOND_STARTS", "solve_subproblem"]
 
 
 @jit
 def _count_search(w, num_gpus, slots, max_evals, good_enough, extra_recv, frozen, cnt, gpu_exp):
-    """Steps 2-4 of :func:`solve_subproblem_to` from the counts in ``cnt`` (updated in place,
+    """Steps 2-4 of :func:`solve_subproblem` from the counts in ``cnt`` (updated in place,
     with the packing in ``gpu_exp``); returns the largest GPU load.
 
     ``extra_recv`` heaviest experts (stable order) join the receivers; no move gives a replica
@@ -229,16 +229,7 @@ def _second_starts(
 
 
 @jit
-def solve_subproblem(w, num_gpus, slots, max_evals, stop_gap, cnt, gpu_exp):
-    """Choose replica counts and their packing for one sub-problem; returns the largest GPU load.
-
-    :func:`solve_subproblem_to` with no target of its own (``target = 0``).
-    """
-    return solve_subproblem_to(w, num_gpus, slots, max_evals, stop_gap, 0.0, cnt, gpu_exp)
-
-
-@jit
-def solve_subproblem_to(w, num_gpus, slots, max_evals, stop_gap, target, cnt, gpu_exp):
+def solve_subproblem(w, num_gpus, slots, max_evals, stop_gap, target, cnt, gpu_exp):
     """Choose replica counts and their packing for one sub-problem; returns the largest GPU load.
 
     1. Counts: the min-max apportionment (:func:`apportion_minmax`).
@@ -256,12 +247,21 @@ def solve_subproblem_to(w, num_gpus, slots, max_evals, stop_gap, target, cnt, gp
     5. Second start (more than ``EXACT_MAX_REPLICAS`` replicas, 3 or more slots per GPU):
        :func:`_second_starts`, steps 2-4 again from counts that keep the largest expert on one
        GPU fewer, with that expert's count frozen, more receivers and a quarter of the trials.
-    6. Duplicates: swaps that separate two replicas of one expert without raising the maximum.
+    6. Exact search (at most ``EXACT_MAX_REPLICAS`` replicas): :func:`exact_search` for a
+       strictly better plan while its node budget lasts.
+    7. Duplicates: swaps that separate two replicas of one expert without raising the maximum;
+       with at most ``EXACT_MAX_REPLICAS`` replicas, the exact search then looks for a
+       duplicate-free plan no worse than this one.
 
     Every search stops as soon as the largest load is within a relative ``stop_gap`` of the
     sub-problem's lower bound (:func:`subproblem_bound`), since no plan can be better than the
     bound, or at most ``target``: a node whose largest GPU load is at most the largest load
     already reached on another node of the layer cannot change the layer's balance.
+
+    Runtime complexity: O(M × (R log G + I × G × S²)) for ``M`` trial packings (at most
+    ``max_evals``, and ``max_evals / 4`` more in the second start) of ``I`` local-search steps
+    each (at most ``4 R``; a stuck search adds pair exchanges of O(G × S⁴)); the exact search
+    visits at most ``EXACT_BUDGET`` search nodes, twice.
     """
     num_log = w.shape[0]
     num_phy = num_gpus * slots

@@ -63,7 +63,8 @@ def _lpt(size, cnt, num_gpus, slots, order, gpu_exp, gpu_n, load, last):
     Replicas are placed heaviest first (experts in stable order of replica size); each goes to the
     lightest GPU with a free slot that does not already hold the expert (lowest GPU index among
     equal loads), or, when every GPU with room holds it, to the lightest GPU with room. A heap of
-    the GPUs with room makes it O(R log G).
+    the GPUs with room makes it O(R log G) while experts have few replicas, O(sum_e c_e² log G)
+    at worst (GPUs holding the expert are popped and pushed back).
     """
     heap = np.empty(num_gpus, dtype=np.int64)
     stash = np.empty(num_gpus, dtype=np.int64)

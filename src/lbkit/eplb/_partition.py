@@ -9,7 +9,10 @@ import numpy as np
 from lbkit.core._jit import jit
 from lbkit.eplb._primitives import _REL_TOL, _argmax
 
-__all__ = ["partition_groups"]
+__all__ = ["PARTITION_BUDGET", "partition_groups"]
+
+#: Partial assignments the branch and bound of :func:`partition_groups` may visit per layer.
+PARTITION_BUDGET = 2_000_000
 
 
 @jit

@@ -24,6 +24,10 @@ __all__ = ["TWO_SLOT_RECEIVERS", "solve_two_slot", "two_slot_counts"]
 
 #: Receivers below the critical partner tried per step of :func:`two_slot_counts`.
 TWO_SLOT_RECEIVERS = 8
+#: Steps of :func:`two_slot_counts` per GPU of the sub-problem.
+TWO_SLOT_STEPS_PER_GPU = 8
+#: Bisection steps on the cap in :func:`_two_slot_second_start`.
+CAP_BISECTIONS = 12
 
 
 @jit
@@ -310,9 +314,9 @@ def _ballot_counts(w, num_gpus, cap, cnt):
 @jit
 def _two_slot_second_start(w, num_gpus, good_enough, top, cnt):
     """Second start for :func:`two_slot_counts`: bisection on the cap between the lower bound
-    (``good_enough``) and the local optimum ``top`` with :func:`_ballot_counts` (12 steps),
-    then the local search from the best counts it built. Keeps ``cnt`` unless this is strictly
-    better; returns the largest pair sum."""
+    (``good_enough``) and the local optimum ``top`` with :func:`_ballot_counts`
+    (``CAP_BISECTIONS`` steps), then the local search from the best counts it built. Keeps
+    ``cnt`` unless this is strictly better; returns the largest pair sum."""
     num_log = w.shape[0]
     trial = np.empty(num_log, dtype=np.int64)
     best = np.empty(num_log, dtype=np.int64)
@@ -322,7 +326,7 @@ def _two_slot_second_start(w, num_gpus, good_enough, top, cnt):
     hi = top
     best_v = top
     found = False
-    for _ in range(12):
+    for _ in range(CAP_BISECTIONS):
         mid = 0.5 * (lo + hi)
         if not _ballot_counts(w, num_gpus, mid, trial):
             lo = mid
@@ -338,7 +342,7 @@ def _two_slot_second_start(w, num_gpus, good_enough, top, cnt):
         hi = min(mid, v)
     if not found:
         return top
-    v = two_slot_counts(w, num_gpus, good_enough, 8 * num_gpus, False, best)
+    v = two_slot_counts(w, num_gpus, good_enough, TWO_SLOT_STEPS_PER_GPU * num_gpus, False, best)
     if v < top * (1.0 - _REL_TOL):
         cnt[:] = best
         return v
@@ -379,6 +383,11 @@ def solve_two_slot(w, num_gpus, stop_gap, target, cnt, gpu_exp):
     :func:`subproblem_bound`, or at ``target``), the sorted pairing, then
     :func:`_repair_duplicates` separates two replicas of one expert on a GPU where a swap keeps
     the maximum.
+
+    Runtime complexity: O(T × E × K × E) for ``T <= TWO_SLOT_STEPS_PER_GPU × G`` count-search
+    steps with ``K`` receivers each (``TWO_SLOT_RECEIVERS + 4`` plus the experts of the pairs at
+    the maximum) and an O(E) pairing per trial, twice with the second start, plus
+    ``CAP_BISECTIONS`` ballot constructions of O(G × E log E).
     """
     num_log = w.shape[0]
     total = 0.0
@@ -387,7 +396,7 @@ def solve_two_slot(w, num_gpus, stop_gap, target, cnt, gpu_exp):
     good_enough = max(subproblem_bound(w, num_gpus, 2) * (1.0 + stop_gap), target)
     if total <= 0.0:
         good_enough = np.inf
-    top = two_slot_counts(w, num_gpus, good_enough, 8 * num_gpus, True, cnt)
+    top = two_slot_counts(w, num_gpus, good_enough, TWO_SLOT_STEPS_PER_GPU * num_gpus, True, cnt)
     if top > good_enough:
         top = _two_slot_second_start(w, num_gpus, good_enough, top, cnt)
     size = np.empty(num_log)

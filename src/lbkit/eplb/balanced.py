@@ -56,9 +56,9 @@ import numpy as np
 
 from lbkit.core._jit import entry, jit
 from lbkit.eplb._bound_kernels import subproblem_bound
-from lbkit.eplb._count_search import solve_subproblem_to
+from lbkit.eplb._count_search import solve_subproblem
 from lbkit.eplb._exact import EXACT_MAX_REPLICAS
-from lbkit.eplb._partition import partition_groups
+from lbkit.eplb._partition import PARTITION_BUDGET, partition_groups
 from lbkit.eplb._plan import EplbPlan, _finish_plan, _rebalance_iv
 from lbkit.eplb._two_slot import solve_two_slot
 from lbkit.eplb.greedy import greedy_plan
@@ -102,9 +102,12 @@ def balanced_rebalance(
 
     Parameters and returns as in :func:`lbkit.eplb.rebalance_experts`.
 
-    Runtime complexity: O(layers × rounds × (R × G + I × S² × G)) for ``R`` replicas on ``G``
-    GPUs of ``S`` slots and ``I`` local-search steps (at most ``4 R``, typically about ``G``),
-    plus the greedy plan.
+    Runtime complexity: per layer, that of
+    :func:`lbkit.eplb._count_search.solve_subproblem` (or, two slots per GPU,
+    :func:`lbkit.eplb._two_slot.solve_two_slot`) on each node, plus the group partition (at
+    most ``PARTITION_BUDGET`` search nodes) and the greedy plan. Compiled, a plan of 58 x 256
+    experts on 288 slots / 32 GPUs takes tens of milliseconds (``benchmarks/cold_start.py``
+    records it beside the first call's time).
 
     Examples
     --------
@@ -169,7 +172,7 @@ def _layer_nodes(w, num_groups, num_nodes, gpus_per_node, slots, local2log, w_no
         for j in range(group_size):
             s += w[g * group_size + j]
         group_load[g] = s
-    partition_groups(group_load, num_nodes, 2_000_000, node_of_group)
+    partition_groups(group_load, num_nodes, PARTITION_BUDGET, node_of_group)
     for n in range(num_nodes):
         k = 0
         for g in range(num_groups):
@@ -202,7 +205,7 @@ def default_plan(
 
     Hierarchical: groups to nodes by :func:`partition_groups`, then the nodes are solved in
     decreasing order of their lower bound, each with the largest load reached so far on the
-    layer as its target (:func:`solve_subproblem_to`). The layer's largest load is no higher
+    layer as its target (:func:`solve_subproblem`). The layer's largest load is no higher
     than if every node were solved to its own bound: a node that stops at the target stays at
     or below the largest load reached on another node, and the others run unchanged.
     """
@@ -228,7 +231,7 @@ def default_plan(
         )
         reached = 0.0
         for n in order:
-            v = solve_subproblem_to(
+            v = solve_subproblem(
                 w_node[n], gpus_per_node, slots, max_evals, stop_gap, reached, cnt, gpu_exp
             )
             reached = max(reached, v)
