@@ -156,7 +156,7 @@ def main() -> None:
                 policy=policy,
                 warm=not args.quick,
             )
-            row = {"shape": label, **_run(code, cache, "python")}
+            row = {"shape": label, **_run(code, cache, "python"), "load_avg": load_avg()}
         rows.append(row)
         log(f"eplb first plan {label}: {row}", start)
     result["eplb_first"] = rows
@@ -202,7 +202,8 @@ def tables(result: dict) -> list[dict]:
                 "with an empty kernel cache (`LBKIT_JIT=python`: the entry kernels run as Python "
                 "until compiled). Compile = `lbkit.warmup(packages=('eplb',))` afterwards in the "
                 "same process (every EPLB kernel); warm = median of 5 plans after it; identical = "
-                f"the first plan equals the compiled one. 2 cores shared with other work, {load}."
+                "the first plan equals the compiled one. 2 cores shared with other work "
+                f"({load}; load = the 1-minute load average after each row)."
             ),
             "columns": [
                 "shape",
@@ -211,6 +212,7 @@ def tables(result: dict) -> list[dict]:
                 "compile (s)",
                 "warm plan (ms)",
                 "identical",
+                "load (1 min)",
             ],
             "rows": [
                 [
@@ -220,6 +222,7 @@ def tables(result: dict) -> list[dict]:
                     round(r["compile_s"], 1) if "compile_s" in r else None,
                     round(r["warm_s"] * 1e3, 1) if "warm_s" in r else None,
                     r.get("identical"),
+                    (r.get("load_avg") or [None])[0],
                 ]
                 for r in result["eplb_first"]
             ],
