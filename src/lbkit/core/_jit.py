@@ -469,6 +469,7 @@ class Entry:
         self.__doc__ = func.__doc__
         self.__wrapped__ = func
         self._checked: set[tuple[Any, ...]] = set()
+        self._ready: set[tuple[Any, ...]] = set()  # _quick_key of arguments known compiled
 
     @property
     def interpreted(self) -> Callable[..., Any]:
@@ -509,7 +510,12 @@ class Entry:
     def __call__(self, *args: Any) -> Any:
         if _jit_disabled():
             return self.py_func(*args)
+        key = _quick_key(args)
+        if key in self._ready:
+            return self.dispatcher(*args)
         if self.is_compiled(*args):
+            if key is not None:
+                self._ready.add(key)
             return self.dispatcher(*args)
         mode = jit_mode()
         if mode == "inline":
@@ -524,6 +530,29 @@ class Entry:
 
 
 _INDEX_STAMPS: dict[int, float] = {}
+
+
+def _quick_key(args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """What numba's type of ``args`` depends on, cheaply (``None``: not known here)."""
+    key: list[Any] = []
+    for a in args:
+        flags = getattr(a, "flags", None)
+        if flags is not None and hasattr(a, "dtype"):
+            key.append(
+                (
+                    a.dtype.str,
+                    a.ndim,
+                    flags.c_contiguous,
+                    flags.f_contiguous,
+                    flags.writeable,
+                    flags.aligned,
+                )
+            )
+        elif type(a) in (int, float, bool):
+            key.append(type(a))
+        else:
+            return None
+    return tuple(key)
 
 
 def _cache_changed(kernel: Entry) -> bool:
