@@ -11,6 +11,10 @@ import sys
 import numpy as np
 from hypothesis import HealthCheck, settings
 
+# Kernels compile in the test process on first use (lbkit.core._jit): no background compilers
+# competing with the test run for the CPU.
+os.environ.setdefault("LBKIT_JIT", "inline")
+
 settings.register_profile("dev", max_examples=40, deadline=None)
 settings.register_profile(
     "ci",

@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import lbkit
 from lbkit.eplb import (
-    _kernels,
     _replan_kernels,
     drift,
     moe_lb,
@@ -25,7 +25,7 @@ from lbkit.eplb.replan import replan_experts
 @pytest.mark.parametrize(("r", "g", "n"), [(288, 32, 4), (320, 64, 8)])
 @pytest.mark.parametrize("policy", ["global", "hierarchical"])
 def bench_replan_experts(benchmark, r, g, n, policy, scope):
-    _kernels.warmup()
+    lbkit.warmup(packages=("eplb",))
     _replan_kernels.warmup()
     w = synthetic_expert_load(58, 256, sigma=1.0, rng=0)
     old = rebalance_experts(w, r, 8, n, g, policy=policy).phy2log

@@ -52,6 +52,7 @@ TABLE_SCRIPTS = (
     ),
     ("EPLB balance and plan time", "eplb_targets.py", (), "eplb_targets.json"),
     ("EPLB re-planning under drift", "eplb_drift.py", (), "eplb_drift.json"),
+    ("EPLB cold start", "cold_start.py", ("--inline",), "cold_start.json"),
     (
         "Decode balance on synthetic streams",
         "bench_decode.py",

@@ -8,11 +8,12 @@ router can embed:
 - :mod:`lbkit.core`: cost models, balance metrics and input validation shared by the balancers.
 
 Importing :mod:`lbkit` is cheap; subpackages are imported on demand. Call :func:`lbkit.warmup`
-at router start-up to compile the numba kernels before the first decision.
+at router start-up to compile the numba kernels (or load them from the disk cache) before the
+first decision; it returns a :class:`WarmupReport`.
 """
 
-from lbkit._warmup import warmup
+from lbkit._warmup import WarmupReport, warmup
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "warmup"]
+__all__ = ["WarmupReport", "__version__", "warmup"]

@@ -2,9 +2,9 @@
 
 import pytest
 
-from lbkit.eplb import _kernels
+import lbkit
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _warm_eplb_kernels():
-    _kernels.warmup()
+    lbkit.warmup(packages=("eplb",))

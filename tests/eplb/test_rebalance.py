@@ -176,7 +176,7 @@ def test_duplicates_only_where_no_duplicate_free_plan_is_as_good(experts, gpus, 
     default places two replicas of one expert on a GPU, CP-SAT proves that no duplicate-free
     plan reaches the same largest load; and the default matches the exact optimum."""
     pytest.importorskip("ortools")
-    from lbkit.eplb._kernels import EXACT_MAX_REPLICAS
+    from lbkit.eplb._exact import EXACT_MAX_REPLICAS
     from lbkit.eplb._reference import optimal_max_load
 
     rng = np.random.default_rng(experts)

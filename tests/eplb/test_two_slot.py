@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lbkit.eplb import _kernels, lower_bound, moe_lb, rebalance_experts
+from lbkit.eplb import _primitives, _two_slot, lower_bound, moe_lb, rebalance_experts
 from lbkit.eplb._reference import (
     _two_slot_optimum,
     optimal_two_slot,
@@ -44,13 +44,13 @@ def test_pair_walk_and_pair_out_are_the_sorted_pairing(case):
     w, gpus, cnt = case
     size = w / cnt
     order = np.argsort(-size, kind="mergesort")
-    top, ntop, _ = _kernels._pair_walk(size, cnt, order, gpus, np.inf, np.zeros(0, dtype=bool))
+    top, ntop, _ = _two_slot._pair_walk(size, cnt, order, gpus, np.inf, np.zeros(0, dtype=bool))
     items = np.sort(np.repeat(size, cnt))
     sums = items[:gpus] + items[::-1][:gpus]
     assert top == pytest.approx(sums.max(), rel=1e-12, abs=0)
     assert ntop == (sums >= top * (1 - 1e-12)).sum()
     exp = np.empty((gpus, 2), dtype=np.int64)
-    _kernels._pair_out(cnt, order, gpus, exp)
+    _two_slot._pair_out(cnt, order, gpus, exp)
     assert (np.bincount(exp.ravel(), minlength=len(w)) == cnt).all()
     assert size[exp].sum(axis=1).max() == pytest.approx(top, rel=1e-12, abs=0)
 
@@ -99,7 +99,7 @@ def test_two_slot_feasible_rejects_bad_max_load():
 def test_solve_two_slot_jit_parity_and_validity(case):
     w, gpus = case
     outs = []
-    for fn in (_kernels.solve_two_slot, _kernels.solve_two_slot.py_func):
+    for fn in (_two_slot.solve_two_slot, _two_slot.solve_two_slot.py_func):
         cnt = np.empty(len(w), dtype=np.int64)
         exp = np.empty((gpus, 2), dtype=np.int64)
         v = fn(w, gpus, 1e-3, 0.0, cnt, exp)
@@ -110,7 +110,7 @@ def test_solve_two_slot_jit_parity_and_validity(case):
     assert (np.bincount(exp.ravel(), minlength=len(w)) == cnt).all()
     # Never worse than the sorted pairing of the apportionment it starts from.
     start = np.empty(len(w), dtype=np.int64)
-    _kernels.apportion_minmax(w, 2 * gpus, start)
+    _primitives.apportion_minmax(w, 2 * gpus, start)
     assert v <= pairing_max_load(w, start) * (1 + 1e-12) + 1e-12
 
 
@@ -144,9 +144,9 @@ def test_ballot_violation_is_halls_condition_for_the_sorted_pairing(case):
     top = pairing_max_load(w, cnt)
     size = w / cnt
     order = np.argsort(-size, kind="mergesort")
-    assert _kernels._ballot_violation(size, cnt, order, top * (1 + 1e-12)) == -1
+    assert _two_slot._ballot_violation(size, cnt, order, top * (1 + 1e-12)) == -1
     if top > 0:
-        assert _kernels._ballot_violation(size, cnt, order, top * (1 - 1e-6)) >= 0
+        assert _two_slot._ballot_violation(size, cnt, order, top * (1 - 1e-6)) >= 0
 
 
 @given(case=two_slot_cases(max_experts=30, max_gpus=20), frac=st.floats(0.9, 1.2))
@@ -154,13 +154,13 @@ def test_ballot_violation_is_halls_condition_for_the_sorted_pairing(case):
 def test_ballot_counts_meet_their_cap_when_they_claim_to(case, frac):
     w, gpus = case
     start = np.empty(len(w), dtype=np.int64)
-    _kernels.apportion_minmax(w, 2 * gpus, start)
+    _primitives.apportion_minmax(w, 2 * gpus, start)
     cap = pairing_max_load(w, start) * frac
     cnt = np.empty(len(w), dtype=np.int64)
-    for fn in (_kernels._ballot_counts, _kernels._ballot_counts.py_func):
+    for fn in (_two_slot._ballot_counts, _two_slot._ballot_counts.py_func):
         ok = fn(w, gpus, cap, cnt)
         if ok:
             assert cnt.sum() == 2 * gpus and (cnt >= 1).all()
             assert pairing_max_load(w, cnt) <= cap * (1 + 1e-9) + 1e-12
     if frac >= 1:  # the apportionment itself passes, but the heuristic need not find it
-        assert _kernels._ballot_counts(w, gpus, cap * 1e3, cnt)
+        assert _two_slot._ballot_counts(w, gpus, cap * 1e3, cnt)

@@ -14,8 +14,13 @@ from hypothesis import given
 
 from lbkit.eplb import (
     METHODS,
-    _kernels,
+    _bound_kernels,
+    _count_search,
+    _exact,
+    _partition,
+    balanced,
     check_placement,
+    greedy,
     is_valid_placement,
     lower_bound,
     moe_lb,
@@ -178,9 +183,9 @@ def test_exact_search_agrees_with_cp_sat(forbid_dup):
         exp = np.empty((gpus, slots), dtype=np.int64)
         args = (gpus, slots)
         if opt == float("inf"):
-            assert _kernels.exact_search(w, *args, w.sum(), forbid_dup, False, 10**7, cnt, exp) == 0
+            assert _exact.exact_search(w, *args, w.sum(), forbid_dup, False, 10**7, cnt, exp) == 0
             continue
-        assert _kernels.exact_search(w, *args, opt * (1 + 1e-7), forbid_dup, True, 10**7, cnt, exp)
+        assert _exact.exact_search(w, *args, opt * (1 + 1e-7), forbid_dup, True, 10**7, cnt, exp)
         assert cnt.sum() == gpus * slots and (cnt >= 1).all()
         assert (np.bincount(exp.ravel(), minlength=experts) == cnt).all()
         loads = (w / cnt)[exp].sum(axis=1)
@@ -188,7 +193,7 @@ def test_exact_search_agrees_with_cp_sat(forbid_dup):
         if forbid_dup:
             assert all(len(set(row)) == slots for row in exp.tolist())
         below = opt * (1 - 1e-6)
-        assert _kernels.exact_search(w, *args, below, forbid_dup, False, 10**7, cnt, exp) == 0
+        assert _exact.exact_search(w, *args, below, forbid_dup, False, 10**7, cnt, exp) == 0
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -200,18 +205,19 @@ def test_nodes_solved_to_the_reached_load_lose_no_balance(seed):
     groups, nodes, gpus, slots = 8, 4, 16, 6
     p2l = np.empty((3, gpus * slots), dtype=np.int64)
     cnt = np.empty((3, 64), dtype=np.int64)
-    _kernels.default_plan(weight, gpus * slots, groups, nodes, gpus, 64, 5e-4, p2l, cnt)
+    balanced.default_plan(weight, gpus * slots, groups, nodes, gpus, 64, 5e-4, p2l, cnt)
     ours = (weight / cnt)[np.arange(3)[:, None], p2l].reshape(3, gpus, slots).sum(axis=2)
     for layer in range(3):
         node_of_group = np.empty(groups, dtype=np.int64)
         group_load = weight[layer].reshape(groups, -1).sum(axis=1)
-        _kernels.partition_groups(group_load, nodes, 2_000_000, node_of_group)
+        _partition.partition_groups(group_load, nodes, 2_000_000, node_of_group)
         each = []
         for n in range(nodes):
             w = weight[layer].reshape(groups, -1)[node_of_group == n].ravel()
             c = np.empty(len(w), dtype=np.int64)
             exp = np.empty((gpus // nodes, slots), dtype=np.int64)
-            each.append(_kernels.solve_subproblem(w, gpus // nodes, slots, 64, 5e-4, c, exp))
+            args = (gpus // nodes, slots, 64, 5e-4, 0.0, c, exp)
+            each.append(_count_search.solve_subproblem(w, *args))
         assert ours[layer].max() <= max(each) * (1 + 1e-12)
 
 
@@ -221,7 +227,7 @@ def test_jit_parity(inst):
     hier = policy == "hierarchical"
     groups, nodes = (k, n) if hier else (1, 1)
     outs = []
-    for fn in (_kernels.default_plan, _kernels.default_plan.py_func):
+    for fn in (balanced.default_plan, balanced.default_plan.py_func):
         p2l = np.empty((len(weight), r), dtype=np.int64)
         cnt = np.empty(weight.shape, dtype=np.int64)
         fn(weight, r, groups, nodes, g, 16, 5e-4, p2l, cnt)
@@ -229,14 +235,14 @@ def test_jit_parity(inst):
     assert np.array_equal(outs[0][0], outs[1][0]) and np.array_equal(outs[0][1], outs[1][1])
     w32 = weight.astype(np.float32)
     res = []
-    for fn in (_kernels.greedy_plan, _kernels.greedy_plan.py_func):
+    for fn in (greedy.greedy_plan, greedy.greedy_plan.py_func):
         arrs = [np.empty((len(weight), r), dtype=np.int64) for _ in range(2)]
         arrs.append(np.empty(weight.shape, dtype=np.int64))
         fn(w32, r, groups, nodes, g, *arrs)
         res.append(arrs)
     assert all(np.array_equal(a, b) for a, b in zip(*res, strict=True))
     lbs = []
-    for fn in (_kernels.lower_bound_layers, _kernels.lower_bound_layers.py_func):
+    for fn in (_bound_kernels.lower_bound_layers, _bound_kernels.lower_bound_layers.py_func):
         out = np.empty(len(weight))
         fn(weight, r, groups, nodes, g, out)
         lbs.append(out)

@@ -440,7 +440,7 @@ def optimal_two_slot(
     """
     w = np.asarray(w, dtype=np.float64)
     if upper_counts is None:
-        from lbkit.eplb._kernels import apportion_minmax
+        from lbkit.eplb._primitives import apportion_minmax
 
         upper_counts = np.empty(w.shape[0], dtype=np.int64)
         apportion_minmax(w, 2 * num_gpus, upper_counts)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from lbkit.core._jit import jit
-from lbkit.eplb._kernels import _argmax, _holds, _insert_sorted
+from lbkit.eplb._primitives import _argmax, _holds, _insert_sorted
 
 __all__ = ["count_moves", "replan_subproblem", "warmup"]
 

@@ -54,10 +54,24 @@ from typing import Any
 
 import numpy as np
 
-from lbkit.eplb import _kernels
+from lbkit.core._jit import entry, jit
+from lbkit.eplb._bound_kernels import subproblem_bound
+from lbkit.eplb._count_search import solve_subproblem
+from lbkit.eplb._exact import EXACT_MAX_REPLICAS
+from lbkit.eplb._partition import PARTITION_BUDGET, partition_groups
 from lbkit.eplb._plan import EplbPlan, _finish_plan, _rebalance_iv
+from lbkit.eplb._two_slot import solve_two_slot
+from lbkit.eplb.greedy import greedy_plan
 
-__all__ = ["COUNT_SEARCH_EVALS", "STOP_GAP", "balanced_rebalance"]
+__all__ = [
+    "COUNT_SEARCH_EVALS",
+    "STOP_GAP",
+    "balanced_rebalance",
+    "default_plan",
+    "two_slot_plan",
+    "uses_two_slot_plan",
+    "warmup",
+]
 
 #: Trial plans of the replica-count search per sub-problem.
 COUNT_SEARCH_EVALS = 64
@@ -88,9 +102,12 @@ def balanced_rebalance(
 
     Parameters and returns as in :func:`lbkit.eplb.rebalance_experts`.
 
-    Runtime complexity: O(layers × rounds × (R × G + I × S² × G)) for ``R`` replicas on ``G``
-    GPUs of ``S`` slots and ``I`` local-search steps (at most ``4 R``, typically about ``G``),
-    plus the greedy plan.
+    Runtime complexity: per layer, that of
+    :func:`lbkit.eplb._count_search.solve_subproblem` (or, two slots per GPU,
+    :func:`lbkit.eplb._two_slot.solve_two_slot`) on each node, plus the group partition (at
+    most ``PARTITION_BUDGET`` search nodes) and the greedy plan. Compiled, a plan of 58 x 256
+    experts on 288 slots / 32 GPUs takes tens of milliseconds (``benchmarks/cold_start.py``
+    records it beside the first call's time).
 
     Examples
     --------
@@ -107,11 +124,14 @@ def balanced_rebalance(
     args = (w, problem.num_replicas, problem.num_groups, problem.num_nodes, problem.num_gpus)
     phy2log = np.empty((layers, problem.num_replicas), dtype=np.int64)
     logcnt = np.empty((layers, experts), dtype=np.int64)
-    _kernels.default_plan(*args, COUNT_SEARCH_EVALS, STOP_GAP, phy2log, logcnt)
+    if uses_two_slot_plan(problem.num_replicas, problem.num_nodes, problem.num_gpus):
+        two_slot_plan(*args, STOP_GAP, phy2log, logcnt)
+    else:
+        default_plan(*args, COUNT_SEARCH_EVALS, STOP_GAP, phy2log, logcnt)
     g_phy2log = np.empty_like(phy2log)
     g_rank = np.empty_like(phy2log)
     g_logcnt = np.empty_like(logcnt)
-    _kernels.greedy_plan(w.astype(np.float32), *args[1:], g_phy2log, g_rank, g_logcnt)
+    greedy_plan(w.astype(np.float32), *args[1:], g_phy2log, g_rank, g_logcnt)
     ours = _max_gpu_load(w, phy2log, logcnt, problem.num_gpus)
     theirs = _max_gpu_load(w, g_phy2log, g_logcnt, problem.num_gpus)
     use_greedy = theirs < ours * (1.0 - 1e-12)
@@ -119,3 +139,134 @@ def balanced_rebalance(
         phy2log[use_greedy] = g_phy2log[use_greedy]
         logcnt[use_greedy] = g_logcnt[use_greedy]
     return _finish_plan(problem, phy2log, logcnt)
+
+
+def uses_two_slot_plan(num_replicas: int, num_nodes: int, num_gpus: int) -> bool:
+    """Whether the sub-problems (one per node) are solved by :func:`two_slot_plan`: two slots
+    per GPU and more than ``EXACT_MAX_REPLICAS`` replicas per node.
+
+    Examples
+    --------
+    >>> uses_two_slot_plan(288, 1, 144), uses_two_slot_plan(288, 1, 32)
+    (True, False)
+    """
+    return num_replicas == 2 * num_gpus and num_replicas // num_nodes > EXACT_MAX_REPLICAS
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels: the per-layer driver. Which sub-problem solver runs depends only on the sizes, so
+# there are two entry kernels and each compiles only its own solver.
+# --------------------------------------------------------------------------------------------
+
+
+@jit
+def _layer_nodes(w, num_groups, num_nodes, gpus_per_node, slots, local2log, w_node, node_bound):
+    """Groups of one layer to nodes by :func:`partition_groups`; each node's experts
+    (``local2log``), loads (``w_node``) and lower bound (``node_bound``, 0 for one node).
+    Returns the nodes in decreasing order of their bound (stable)."""
+    group_size = w.shape[0] // num_groups
+    group_load = np.empty(num_groups)
+    node_of_group = np.empty(num_groups, dtype=np.int64)
+    for g in range(num_groups):
+        s = 0.0
+        for j in range(group_size):
+            s += w[g * group_size + j]
+        group_load[g] = s
+    partition_groups(group_load, num_nodes, PARTITION_BUDGET, node_of_group)
+    for n in range(num_nodes):
+        k = 0
+        for g in range(num_groups):
+            if node_of_group[g] == n:
+                for j in range(group_size):
+                    local2log[n, k] = g * group_size + j
+                    w_node[n, k] = w[g * group_size + j]
+                    k += 1
+        node_bound[n] = subproblem_bound(w_node[n], gpus_per_node, slots) if num_nodes > 1 else 0.0
+    return np.argsort(-node_bound, kind="mergesort")
+
+
+@jit
+def _write_node(n, local2log_n, cnt, gpu_exp, phy2log_layer, logcnt_layer):
+    """Write node ``n``'s counts and packing into the layer's plan."""
+    gpus_per_node, slots = gpu_exp.shape
+    for j in range(cnt.shape[0]):
+        logcnt_layer[local2log_n[j]] = cnt[j]
+    for gl in range(gpus_per_node):
+        for i in range(slots):
+            slot = (n * gpus_per_node + gl) * slots + i
+            phy2log_layer[slot] = local2log_n[gpu_exp[gl, i]]
+
+
+@entry
+def default_plan(
+    weight, num_phy, num_groups, num_nodes, num_gpus, max_evals, stop_gap, phy2log, logcnt
+):
+    """Default plan for every layer (``num_groups = num_nodes = 1`` for the global policy).
+
+    Hierarchical: groups to nodes by :func:`partition_groups`, then the nodes are solved in
+    decreasing order of their lower bound, each with the largest load reached so far on the
+    layer as its target (:func:`solve_subproblem`). The layer's largest load is no higher
+    than if every node were solved to its own bound: a node that stops at the target stays at
+    or below the largest load reached on another node, and the others run unchanged.
+    """
+    num_layers, num_log = weight.shape
+    slots = num_phy // num_gpus
+    log_per_node = num_log // num_nodes
+    gpus_per_node = num_gpus // num_nodes
+    w_node = np.empty((num_nodes, log_per_node))
+    local2log = np.empty((num_nodes, log_per_node), dtype=np.int64)
+    node_bound = np.zeros(num_nodes)
+    cnt = np.empty(log_per_node, dtype=np.int64)
+    gpu_exp = np.empty((gpus_per_node, slots), dtype=np.int64)
+    for layer in range(num_layers):
+        order = _layer_nodes(
+            weight[layer],
+            num_groups,
+            num_nodes,
+            gpus_per_node,
+            slots,
+            local2log,
+            w_node,
+            node_bound,
+        )
+        reached = 0.0
+        for n in order:
+            v = solve_subproblem(
+                w_node[n], gpus_per_node, slots, max_evals, stop_gap, reached, cnt, gpu_exp
+            )
+            reached = max(reached, v)
+            _write_node(n, local2log[n], cnt, gpu_exp, phy2log[layer], logcnt[layer])
+
+
+@entry
+def two_slot_plan(weight, num_phy, num_groups, num_nodes, num_gpus, stop_gap, phy2log, logcnt):
+    """:func:`default_plan` for two slots per GPU (:func:`uses_two_slot_plan`): the nodes are
+    solved by :func:`lbkit.eplb._two_slot.solve_two_slot`, in the same order and with the same
+    targets."""
+    num_layers, num_log = weight.shape
+    log_per_node = num_log // num_nodes
+    gpus_per_node = num_gpus // num_nodes
+    w_node = np.empty((num_nodes, log_per_node))
+    local2log = np.empty((num_nodes, log_per_node), dtype=np.int64)
+    node_bound = np.zeros(num_nodes)
+    cnt = np.empty(log_per_node, dtype=np.int64)
+    gpu_exp = np.empty((gpus_per_node, 2), dtype=np.int64)
+    for layer in range(num_layers):
+        order = _layer_nodes(
+            weight[layer], num_groups, num_nodes, gpus_per_node, 2, local2log, w_node, node_bound
+        )
+        reached = 0.0
+        for n in order:
+            v = solve_two_slot(w_node[n], gpus_per_node, stop_gap, reached, cnt, gpu_exp)
+            reached = max(reached, v)
+            _write_node(n, local2log[n], cnt, gpu_exp, phy2log[layer], logcnt[layer])
+
+
+def warmup() -> None:
+    """Compile :func:`default_plan` and :func:`two_slot_plan` (or load them from the disk
+    cache) on tiny inputs."""
+    w = np.array([[4.0, 3.0, 2.0, 1.0]])
+    phy2log = np.empty((1, 8), dtype=np.int64)
+    logcnt = np.empty((1, 4), dtype=np.int64)
+    default_plan.dispatcher(w, 8, 2, 2, 4, 8, 1e-4, phy2log, logcnt)
+    two_slot_plan.dispatcher(w, 8, 2, 2, 4, 1e-4, phy2log, logcnt)

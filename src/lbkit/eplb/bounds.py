@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from lbkit.core import metrics
-from lbkit.eplb import _kernels
+from lbkit.eplb import _bound_kernels as _kernels
 from lbkit.eplb._plan import _rebalance_iv
 
 __all__ = ["lower_bound", "moe_lb"]

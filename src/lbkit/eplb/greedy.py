@@ -27,10 +27,10 @@ from typing import Any
 
 import numpy as np
 
-from lbkit.eplb import _kernels
+from lbkit.core._jit import entry, jit
 from lbkit.eplb._plan import EplbPlan, _finish_plan, _rebalance_iv
 
-__all__ = ["greedy_rebalance"]
+__all__ = ["balanced_packing", "greedy_plan", "greedy_rebalance", "warmup"]
 
 
 def greedy_rebalance(
@@ -66,7 +66,7 @@ def greedy_rebalance(
     phy2log = np.empty((layers, problem.num_replicas), dtype=np.int64)
     phyrank = np.empty_like(phy2log)
     logcnt = np.empty((layers, experts), dtype=np.int64)
-    _kernels.greedy_plan(
+    greedy_plan(
         problem.weight.astype(np.float32),
         problem.num_replicas,
         problem.num_groups,
@@ -77,3 +77,141 @@ def greedy_rebalance(
         logcnt,
     )
     return _finish_plan(problem, phy2log, logcnt, phyrank)
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels: DeepSeek's published algorithm, step by step, in the dtype of `weight` (float32 when
+# called by `greedy_rebalance`, as the published code computes).
+# --------------------------------------------------------------------------------------------
+
+
+@jit
+def balanced_packing(x, num_packs, pack_index, rank_in_pack):
+    """Pack ``n`` items into ``num_packs`` packs of ``n / num_packs`` items each.
+
+    Items are taken heaviest first (stable: lower index first among equal loads); each goes to
+    the lightest pack that still has room (lowest pack index among equal loads). With one item
+    per pack, item ``i`` goes to pack ``i`` (identity), as in the published algorithm.
+    """
+    n = x.shape[0]
+    per_pack = n // num_packs
+    if per_pack == 1:
+        for i in range(n):
+            pack_index[i] = i
+            rank_in_pack[i] = 0
+        return
+    order = np.argsort(-x, kind="mergesort")
+    pack_load = np.zeros(num_packs, dtype=x.dtype)
+    pack_n = np.zeros(num_packs, dtype=np.int64)
+    for k in range(n):
+        item = order[k]
+        best = -1
+        for p in range(num_packs):
+            if pack_n[p] < per_pack and (best < 0 or pack_load[p] < pack_load[best]):
+                best = p
+        pack_index[item] = best
+        rank_in_pack[item] = pack_n[best]
+        pack_load[best] += x[item]
+        pack_n[best] += 1
+
+
+@jit
+def _greedy_replicate(w, num_phy, phy2log, phyrank, cnt, cnt_f):
+    """Replicate: slot ``i < E`` holds expert ``i``; each further slot goes to the expert with the
+    largest load per replica (lowest index among equal values). ``cnt_f`` mirrors ``cnt`` in the
+    dtype of ``w`` so that the divisions happen in that dtype."""
+    num_log = w.shape[0]
+    for e in range(num_log):
+        phy2log[e] = e
+        phyrank[e] = 0
+        cnt[e] = 1
+        cnt_f[e] = 1
+    for i in range(num_log, num_phy):
+        best = 0
+        best_v = w[0] / cnt_f[0]
+        for e in range(1, num_log):
+            v = w[e] / cnt_f[e]
+            if v > best_v:
+                best = e
+                best_v = v
+        phy2log[i] = best
+        phyrank[i] = cnt[best]
+        cnt[best] += 1
+        cnt_f[best] += 1
+
+
+@jit
+def _greedy_layer(w, num_phy, num_groups, num_nodes, num_gpus, phy2log, phyrank, logcnt):
+    num_log = w.shape[0]
+    group_size = num_log // num_groups
+    groups_per_node = num_groups // num_nodes
+    slots = num_phy // num_gpus
+    log_per_node = num_log // num_nodes
+    phy_per_node = num_phy // num_nodes
+    gpus_per_node = num_gpus // num_nodes
+
+    # Step 1: groups to nodes, a group's position in its node given by its packing rank.
+    group_load = np.zeros(num_groups, dtype=w.dtype)
+    for g in range(num_groups):
+        for j in range(group_size):
+            group_load[g] += w[g * group_size + j]
+    gpack = np.empty(num_groups, dtype=np.int64)
+    grank = np.empty(num_groups, dtype=np.int64)
+    balanced_packing(group_load, num_nodes, gpack, grank)
+    log2mlog = np.empty(num_log, dtype=np.int64)
+    mlog2log = np.empty(num_log, dtype=np.int64)
+    for e in range(num_log):
+        g = e // group_size
+        m = (gpack[g] * groups_per_node + grank[g]) * group_size + e % group_size
+        log2mlog[e] = m
+        mlog2log[m] = e
+
+    # Steps 2 and 3 per node: replicate within the node, then pack its replicas to its GPUs.
+    w_node = np.empty(log_per_node, dtype=w.dtype)
+    p2m = np.empty(phy_per_node, dtype=np.int64)
+    prank = np.empty(phy_per_node, dtype=np.int64)
+    mcnt = np.empty(log_per_node, dtype=np.int64)
+    mcnt_f = np.empty(log_per_node, dtype=w.dtype)
+    x = np.empty(phy_per_node, dtype=w.dtype)
+    pidx = np.empty(phy_per_node, dtype=np.int64)
+    ridx = np.empty(phy_per_node, dtype=np.int64)
+    for n in range(num_nodes):
+        for j in range(log_per_node):
+            w_node[j] = w[mlog2log[n * log_per_node + j]]
+        _greedy_replicate(w_node, phy_per_node, p2m, prank, mcnt, mcnt_f)
+        for i in range(phy_per_node):
+            x[i] = w_node[p2m[i]] / mcnt_f[p2m[i]]
+        balanced_packing(x, gpus_per_node, pidx, ridx)
+        for i in range(phy_per_node):
+            slot = n * phy_per_node + pidx[i] * slots + ridx[i]
+            phy2log[slot] = mlog2log[n * log_per_node + p2m[i]]
+            phyrank[slot] = prank[i]
+        for j in range(log_per_node):
+            logcnt[mlog2log[n * log_per_node + j]] = mcnt[j]
+
+
+@entry
+def greedy_plan(weight, num_phy, num_groups, num_nodes, num_gpus, phy2log, phyrank, logcnt):
+    """DeepSeek's greedy plan for every layer (``num_groups = num_nodes = 1`` for global).
+
+    Loads, divisions and running sums use the dtype of ``weight``."""
+    for layer in range(weight.shape[0]):
+        _greedy_layer(
+            weight[layer],
+            num_phy,
+            num_groups,
+            num_nodes,
+            num_gpus,
+            phy2log[layer],
+            phyrank[layer],
+            logcnt[layer],
+        )
+
+
+def warmup() -> None:
+    """Compile :func:`greedy_plan` (or load it from the disk cache) on a tiny input."""
+    w = np.array([[4.0, 3.0, 2.0, 1.0]], dtype=np.float32)
+    phy2log = np.empty((1, 8), dtype=np.int64)
+    greedy_plan.dispatcher(
+        w, 8, 2, 2, 4, phy2log, np.empty_like(phy2log), np.empty((1, 4), dtype=np.int64)
+    )
