@@ -12,6 +12,7 @@ the policy kernel of :mod:`lbkit.decode.policies`:
 - **drain_rank / remove_rank / restore_rank** take a rank out of service (draining: no new work;
   removed: its requests are handed back to the caller, none lost) and back;
 - **report** reconciles the ledger with an engine's per-rank load report (see below);
+- **set_foreign_load** adds the load other routers placed on the ranks (see below);
 - **statistics / _check / state_dict / from_state_dict**.
 
 Capacities bound admission only: KV growth in :meth:`DecodeBalancer.step` may take a rank past
@@ -30,6 +31,20 @@ number is not newer than the rank's last accepted one is stale and ignored. Othe
   request's KV is scaled, ``kv_i <- floor(kv_i * R / S)`` (``R // B`` each when ``S == 0``), and
   the remaining tokens go one each to the oldest requests. The sum is then exactly ``R``, no
   request goes negative, and later releases free what the engine actually holds.
+
+Foreign load
+------------
+Router replicas in front of one engine each admit their own requests. The load the others
+placed, per rank (requests and KV tokens, :meth:`DecodeBalancer.set_foreign_load`, fed by any
+transport: :class:`lbkit.replicas.RedisStore` or the caller's own), counts in every score and
+capacity check but in no request of the ledger (:mod:`lbkit.decode.foreign`): ``step`` grows
+only the own requests, ``finish`` releases only them, and migrations move only them (towards
+balance of the totals). Reports are of the whole engine: drift is reported minus (ledger plus
+foreign load), and a KV correction sets the own requests' KV to the reported KV minus the
+foreign KV (none when that is negative). :meth:`DecodeBalancer.num_requests` and
+:meth:`DecodeBalancer.kv_tokens` are the ledger's; the balance figures of
+:meth:`DecodeBalancer.statistics` are of the totals, what the engine runs. With no foreign load
+(the default) nothing differs from a balancer without it.
 
 Look-ahead
 ----------
@@ -63,6 +78,7 @@ from lbkit.core.metrics import max_over_mean
 from lbkit.core.validation import as_int_array, as_rng, check_choice, check_int, to_numpy
 from lbkit.decode import _kernels as K
 from lbkit.decode._state import DEFAULT_COST, capacity_iv, params
+from lbkit.decode.foreign import ForeignLoad, foreign_iv
 from lbkit.decode.migration import MIGRATION_SOURCES, ROOM_MAX_MOVES, _plan_on, _room_on
 from lbkit.decode.policies import DEFAULT_POLICY, POLICIES, POLICY_CODES, Decision
 from lbkit.decode.reasons import BATCH_FULL, FULL, KV_FULL, PLACED, REASONS
@@ -127,11 +143,13 @@ class RequestInfo(NamedTuple):
 class DecodeStatistics:
     """Snapshot of a :class:`DecodeBalancer` (plain tuples and numbers; safe to keep).
 
-    Per rank: ``num_requests``, ``kv_tokens``, ``rank_state`` (``"active"``, ``"draining"``,
-    ``"out"``). Balance over ranks in service (active or draining): ``count_imbalance`` and
+    Per rank: ``num_requests``, ``kv_tokens`` (the ledger's), ``foreign_requests``,
+    ``foreign_kv_tokens`` (other routers' load, :meth:`DecodeBalancer.set_foreign_load`),
+    ``rank_state`` (``"active"``, ``"draining"``, ``"out"``). Balance of the totals (ledger
+    plus foreign load) over ranks in service (active or draining): ``count_imbalance`` and
     ``kv_imbalance`` (max/mean, 1.0 when idle) and ``step_time_s`` (the modelled engine step
     under ``cost``, ``DecodeCost.engine_step_s``: slowest rank plus the shared expert cost).
-    ``over_capacity``: ranks whose KV grew past ``max_kv_tokens``.
+    ``over_capacity``: ranks whose total KV grew past ``max_kv_tokens``.
     Counters: ``running``, ``admitted``, ``refused`` (with ``refused_by_reason``), ``finished``,
     ``aborted``, ``handed_back``, ``steps``; reports ``reports_accepted``, ``reports_stale``,
     ``reports_corrected``; drift (reported minus ledger) of the last accepted report
@@ -167,6 +185,8 @@ class DecodeStatistics:
     drift_kv_tokens_total: int
     migrated: int
     migrated_for_room: int
+    foreign_requests: tuple[int, ...] = ()
+    foreign_kv_tokens: tuple[int, ...] = ()
 
 
 class Migration(NamedTuple):
@@ -302,6 +322,8 @@ class DecodeBalancer:
         self._ids: dict[Hashable, int] = {}
         self._state = np.zeros(n, dtype=np.int8)
         self._seq = np.full(n, -1, dtype=np.int64)
+        self._fb = np.zeros(n, dtype=np.int64)  # foreign requests per rank
+        self._fs = np.zeros(n, dtype=np.int64)  # foreign KV tokens per rank
         self._cursor = 0
         self._order = 0
         self._refused = [0] * len(REASONS)
@@ -321,12 +343,59 @@ class DecodeBalancer:
         return self._policy
 
     def num_requests(self) -> np.ndarray:
-        """Requests per rank, shape (num_ranks,), int64 (a copy)."""
-        return self._X[K.ROW_B].astype(np.int64)
+        """Requests of the ledger per rank, shape (num_ranks,), int64 (a copy; without the
+        foreign load)."""
+        return self._X[K.ROW_B].astype(np.int64) - self._fb
 
     def kv_tokens(self) -> np.ndarray:
-        """KV tokens per rank, shape (num_ranks,), int64 (a copy)."""
-        return self._X[K.ROW_S].astype(np.int64)
+        """KV tokens of the ledger per rank, shape (num_ranks,), int64 (a copy; without the
+        foreign load)."""
+        return self._X[K.ROW_S].astype(np.int64) - self._fs
+
+    def foreign_load(self) -> ForeignLoad:
+        """The foreign load in force (copies; zeros until :meth:`set_foreign_load`)."""
+        return ForeignLoad(self._fb.copy(), self._fs.copy())
+
+    def set_foreign_load(self, *, num_requests: Any, kv_tokens: Any) -> None:
+        """Set the load that other routers placed on the ranks (replacing the previous one).
+
+        It counts in every later decision's scores and capacities, and in
+        :meth:`statistics`' balance figures, but in no request of the ledger (module
+        documentation, *Foreign load*).
+
+        Parameters
+        ----------
+        num_requests : array_like of int, shape (num_ranks,)
+            Requests of other routers per rank (>= 0).
+        kv_tokens : array_like of int, shape (num_ranks,)
+            KV tokens they hold per rank (>= 0).
+
+        Raises
+        ------
+        ValueError, TypeError
+            A wrong shape, negative or non-integer values (nothing changes).
+
+        Runtime complexity: O(ranks).
+
+        Examples
+        --------
+        >>> bal = DecodeBalancer(2)
+        >>> bal.set_foreign_load(num_requests=[3, 0], kv_tokens=[3000, 0])
+        >>> bal.admit("a", 100)
+        Decision(rank=1, reason='placed')
+        >>> bal.num_requests().tolist(), bal.statistics().foreign_requests
+        ([0, 1], (3, 0))
+        """
+        new = foreign_iv(num_requests, kv_tokens, self._n, _MAX_TOKENS)
+        db = (new.num_requests - self._fb).astype(np.float64)
+        ds = (new.kv_tokens - self._fs).astype(np.float64)
+        X = self._X
+        X[K.ROW_B] += db
+        X[K.ROW_S] += ds
+        if self._h:
+            X[K.ROW_PB] += db
+            X[K.ROW_PS] += ds + self._h * db
+        self._fb, self._fs = new
 
     def __len__(self) -> int:
         return len(self._ids)
@@ -378,10 +447,10 @@ class DecodeBalancer:
         idx = np.flatnonzero(used)
         keep = idx[self._projected(idx)]
         ranks = self._slots[_RANK, keep]
-        self._X[K.ROW_PB] = np.bincount(ranks, minlength=self._n)
+        self._X[K.ROW_PB] = np.bincount(ranks, minlength=self._n) + self._fb
         self._X[K.ROW_PS] = np.bincount(
             ranks, weights=(self._slots[_KV, keep] + self._h).astype(np.float64), minlength=self._n
-        )
+        ) + (self._fs + self._h * self._fb)
 
     def _release(self, slot: int) -> int:
         s = self._slots
@@ -546,7 +615,7 @@ class DecodeBalancer:
             grow = inc[self._slots[_RANK]]
             self._slots[_KV] += grow
             self._slots[_GEN] += grow
-            self._X[K.ROW_S] += inc[:n] * self._X[K.ROW_B]
+            self._X[K.ROW_S] += inc[:n] * (self._X[K.ROW_B] - self._fb)  # own requests grow
         self._reproject()
         self._counts["steps"] += 1
 
@@ -751,7 +820,9 @@ class DecodeBalancer:
 
         See the module documentation for the rule: stale reports (``seq`` not newer than the
         last accepted) are ignored; drift is always measured; KV is corrected only when the
-        request counts agree.
+        request counts agree. The report is of the whole rank: with a foreign load, drift is
+        against the ledger plus the foreign load, and a correction gives the own requests the
+        reported KV minus the foreign KV.
 
         Raises
         ------
@@ -769,6 +840,7 @@ class DecodeBalancer:
             c["reports_stale"] += 1
             return ReportResult(False, False, 0, 0)
         self._seq[rank] = seq
+        fb, fs = int(self._fb[rank]), int(self._fs[rank])
         have_b = int(self._X[K.ROW_B, rank])
         have_s = int(self._X[K.ROW_S, rank])
         db, ds = got_b - have_b, got_s - have_s
@@ -778,8 +850,12 @@ class DecodeBalancer:
         c["drift_requests_max"] = max(c["drift_requests_max"], abs(db))
         c["drift_kv_tokens_max"] = max(c["drift_kv_tokens_max"], abs(ds))
         c["drift_kv_tokens_total"] += abs(ds)
-        if db != 0 or have_b == 0 or ds == 0:
+        if db != 0 or have_b == fb or ds == 0 or got_s < fs:
             return ReportResult(True, False, db, ds)
+        # the own requests' part: the ledger's and the reported KV less the foreign KV
+        have_b -= fb
+        have_s -= fs
+        got_s -= fs
         idx = self._slots_on(rank)
         old = self._slots[_KV, idx].tolist()
         if have_s > 0:
@@ -789,7 +865,7 @@ class DecodeBalancer:
         for i in range(got_s - sum(new)):  # fewer than have_b tokens: oldest first
             new[i] += 1
         self._slots[_KV, idx] = new
-        self._X[K.ROW_S, rank] = got_s
+        self._X[K.ROW_S, rank] = got_s + fs
         self._reproject()
         c["reports_corrected"] += 1
         return ReportResult(True, True, db, ds)
@@ -797,14 +873,16 @@ class DecodeBalancer:
     # ------------------------------------------------------------------ introspection
     def statistics(self) -> DecodeStatistics:
         """A snapshot of per-rank load, balance and counters (see :class:`DecodeStatistics`)."""
-        b = self.num_requests()
-        s = self.kv_tokens()
+        tb = self._X[K.ROW_B].astype(np.int64)
+        ts = self._X[K.ROW_S].astype(np.int64)
+        b = tb - self._fb
+        s = ts - self._fs
         live = self._state != _OUT
         c = self._counts
         if live.any():
-            count_imb = float(max_over_mean(b[live].astype(np.float64)))
-            kv_imb = float(max_over_mean(s[live].astype(np.float64)))
-            step = self._cost.engine_step_s(b[live], s[live])
+            count_imb = float(max_over_mean(tb[live].astype(np.float64)))
+            kv_imb = float(max_over_mean(ts[live].astype(np.float64)))
+            step = self._cost.engine_step_s(tb[live], ts[live])
         else:
             count_imb = kv_imb = 1.0
             step = 0.0
@@ -836,6 +914,8 @@ class DecodeBalancer:
             drift_kv_tokens_total=c["drift_kv_tokens_total"],
             migrated=c["migrated"],
             migrated_for_room=c["migrated_for_room"],
+            foreign_requests=tuple(self._fb.tolist()),
+            foreign_kv_tokens=tuple(self._fs.tolist()),
         )
 
     def _check(self) -> None:
@@ -860,10 +940,14 @@ class DecodeBalancer:
         ranks = s[_RANK, used]
         want_b = np.bincount(ranks, minlength=n)
         want_s = np.bincount(ranks, weights=s[_KV, used].astype(np.float64), minlength=n)
+        assert (self._fb >= 0).all() and (self._fs >= 0).all(), "negative foreign load"
+        want_b = want_b + self._fb
+        want_s = want_s + self._fs
         assert (X[K.ROW_B] == want_b).all(), f"request counts {X[K.ROW_B]} != {want_b}"
         assert (X[K.ROW_S] == want_s).all(), f"KV sums {X[K.ROW_S]} != {want_s}"
         assert (X[K.ROW_OK] == (self._state == _ACTIVE)).all(), "eligibility is stale"
-        assert not (want_b[self._state == _OUT]).any(), "a rank out of service holds requests"
+        own_b = want_b - self._fb
+        assert not (own_b[self._state == _OUT]).any(), "a rank out of service holds requests"
         if self._h:
             pb, ps = X[K.ROW_PB].copy(), X[K.ROW_PS].copy()
             self._reproject()
@@ -923,6 +1007,7 @@ class DecodeBalancer:
                 "counts": dict(self._counts),
                 "rng": self._rng.bit_generator.state,
                 "room": None if self._room is None else list(self._room),
+                "foreign": [self._fb.tolist(), self._fs.tolist()],
             },
         }
 
@@ -970,6 +1055,9 @@ class DecodeBalancer:
             bal._rng.bit_generator.state = s["rng"]
             room = s.get("room")
             bal._room = None if room is None else (_request_id(room[0]), int(room[1]))
+            foreign = s.get("foreign")
+            if foreign is not None:
+                bal.set_foreign_load(num_requests=foreign[0], kv_tokens=foreign[1])
             bal._check()
         except (KeyError, TypeError, IndexError, AssertionError) as exc:
             raise ValueError(f"state: inconsistent state_dict ({exc})") from None

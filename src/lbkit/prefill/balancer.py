@@ -17,6 +17,8 @@ The class is a façade over the modules of this package; a newcomer can read it 
   and returned, none lost) and back; engine states are :mod:`lbkit.core.engines`';
 - **report** ingests engine-reported progress by sequence number (stale reports are ignored) and
   measures how far the ledger had drifted;
+- **set_foreign_load** adds the load other routers queued on the ranks (router replicas in
+  front of one pool; :mod:`~lbkit.prefill.foreign`): it counts in every decision, in no request;
 - **plan_engine** runs :func:`plan_chunks` on each rank's FIFO queue;
 - **statistics / _check / state_dict / from_state_dict** (:mod:`~lbkit.prefill.results`,
   :mod:`~lbkit.prefill.persistence`).
@@ -53,6 +55,7 @@ from lbkit.core.validation import as_int_array, as_rng, check_int
 from lbkit.prefill.apportion import allocate_engines, serving_buckets
 from lbkit.prefill.choice import RankChooser, layout
 from lbkit.prefill.chunking import ChunkPlan, plan_chunks
+from lbkit.prefill.foreign import ForeignLoad, foreign_iv
 from lbkit.prefill.ledger import Ledger, Request, as_request_id, as_time, as_tokens
 from lbkit.prefill.legacy import from_keywords
 from lbkit.prefill.options import Buckets, RankChoice, Rounds
@@ -251,8 +254,53 @@ class PrefillBalancer:
         return self._rounds
 
     def rank_loads(self) -> np.ndarray:
-        """Quota load per rank in flat order, shape (num_ranks,), seconds (a copy)."""
+        """Quota load of the ledger per rank in flat order, shape (num_ranks,), seconds (a
+        copy; without the foreign load)."""
         return self._ledger.rank_loads()
+
+    def foreign_load(self) -> ForeignLoad:
+        """The foreign load in force, per flat rank (copies; zeros until
+        :meth:`set_foreign_load`)."""
+        return ForeignLoad(*self._ledger.foreign())
+
+    def set_foreign_load(self, *, quota_s: Any, work_s: Any, num_requests: Any) -> None:
+        """Set the load that other routers queued on the ranks (replacing the previous one).
+
+        It counts in every later routing decision (each rule reads the ledger's sums plus this
+        load) and in :meth:`end_round`'s re-plan, but in no request of the ledger
+        (:mod:`lbkit.prefill.foreign`).
+
+        Parameters
+        ----------
+        quota_s : array_like of float, shape (num_ranks,)
+            Remaining quota of other routers' requests per flat rank, seconds (>= 0).
+        work_s : array_like of float, shape (num_ranks,)
+            Their step-time work (quota plus routed-expert seconds of the remaining tokens),
+            seconds (>= 0).
+        num_requests : array_like of int, shape (num_ranks,)
+            Their requests per flat rank (>= 0).
+
+        Raises
+        ------
+        ValueError, TypeError
+            A wrong shape, a negative, non-finite or (for requests) non-integer value; nothing
+            changes.
+
+        Runtime complexity: O(requests + ranks) (every rank's sums are re-summed).
+
+        Examples
+        --------
+        >>> from lbkit.core import PRESETS
+        >>> bal = PrefillBalancer(2, 1, cost=PRESETS["h800_dsv3"].prefill,
+        ...                       choice=RankChoice(rule="least_load"))
+        >>> bal.set_foreign_load(quota_s=[2.0, 0.0], work_s=[2.5, 0.0], num_requests=[1, 0])
+        >>> bal.route("a", 1000, now_s=0.0).engine
+        1
+        >>> bal.rank_loads().tolist()[0], bal.statistics().rank_foreign_load
+        (0.0, (2.0, 0.0))
+        """
+        new = foreign_iv(quota_s, work_s, num_requests, self.num_ranks)
+        self._ledger.set_foreign(*new)
 
     def requests_on(self, engine: int, rank: int) -> tuple[Hashable, ...]:
         """Request ids queued or running on a rank, in FIFO order."""
@@ -526,7 +574,7 @@ class PrefillBalancer:
         first = self._counts["rounds"] == 0
         self._demand = smoothed_demand(self._rounds, self._demand, self._round_quota, elapsed,
                                        first)  # fmt: skip
-        loads = self.rank_loads().reshape(self._num_engines, self._ranks)
+        loads = self._ledger.total_loads().reshape(self._num_engines, self._ranks)
         result = replan(self._rounds, self._home, self._state, self._last_move, loads,
                         self._demand, now_s=now, first=first, min_engines=self._min_engines,
                         max_engines=self._max_engines)  # fmt: skip
@@ -706,6 +754,7 @@ class PrefillBalancer:
             parts[req.bucket].append(req.quota)
         qquota = [math.fsum(p) for p in parts]  # exact: independent of the ledger's order
         c = self._counts
+        foreign = self._ledger.foreign()
         return PrefillStatistics(
             bucket_demand=tuple(self._demand.tolist()),
             bucket_round_quota=tuple(self._round_quota),
@@ -732,6 +781,8 @@ class PrefillBalancer:
             drift_last_s=self._drift_last,
             drift_max_s=self._drift_max,
             reassigned=c["reassigned"],
+            rank_foreign_load=tuple(foreign[0].tolist()),
+            rank_foreign_requests=tuple(foreign[2].tolist()),
         )
 
     def _check(self) -> None:
@@ -797,6 +848,13 @@ class PrefillBalancer:
                 "drift_last_s": self._drift_last,
                 "drift_max_s": self._drift_max,
                 "rng": self._rng.bit_generator.state,
+                "foreign": dict(
+                    zip(
+                        ("quota_s", "work_s", "num_requests"),
+                        (a.tolist() for a in led.foreign()),
+                        strict=True,
+                    )
+                ),
             },
         }
 
@@ -837,7 +895,10 @@ class PrefillBalancer:
             led.queues[rank][rid] = req
         for f in range(bal.num_ranks):
             led.resum(f)
-        led.load = s["load"][np.asarray(led.rank_at, dtype=np.int64)]  # as saved (checked)
+        if s["foreign"] is not None:
+            led.set_foreign(*s["foreign"])
+        led.own = s["load"][np.asarray(led.rank_at, dtype=np.int64)]  # as saved (checked)
+        led.load = led.own + led.f_load
         bal._round_quota = s["round_quota"]
         bal._demand = s["demand"]
         bal._counts = s["counts"]

@@ -97,7 +97,9 @@ class PrefillStatistics:
     round, s), ``bucket_engines`` (active engines), ``bucket_draining`` (engines draining towards
     it), ``bucket_server`` (bucket whose engines serve it, -1 if none), ``bucket_queued`` and
     ``bucket_queued_quota`` (requests of the bucket in the ledger and their remaining quota, s).
-    Per rank (flat ``engine * ranks_per_engine + rank``): ``rank_load`` (quota load, s).
+    Per rank (flat ``engine * ranks_per_engine + rank``): ``rank_load`` (the ledger's quota
+    load, s), ``rank_foreign_load`` and ``rank_foreign_requests`` (other routers' quota load, s,
+    and requests: :meth:`PrefillBalancer.set_foreign_load`).
     Per engine: ``engine_bucket`` (home bucket) and ``engine_state``
     (``"active"``, ``"draining"``, ``"out"``). Counters: requests ``queued`` (in the ledger,
     queued or running), ``routed`` (admitted), ``finished``, ``refused``, ``handed_back``,
@@ -129,3 +131,5 @@ class PrefillStatistics:
     drift_last_s: float
     drift_max_s: float
     reassigned: int = 0
+    rank_foreign_load: tuple[float, ...] = ()
+    rank_foreign_requests: tuple[int, ...] = ()
