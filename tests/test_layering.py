@@ -1,8 +1,8 @@
 """The import layering of lbkit, enforced.
 
 ``lbkit.core`` <- ``lbkit.prefill`` / ``lbkit.decode`` / ``lbkit.eplb`` (siblings never import
-each other) <- ``lbkit.sim`` <- ``lbkit.cli``. ``_reference`` modules (exact solvers) are imported
-only by tests, benchmarks and the command-line tool. Heavy optional dependencies are never
+each other) <- ``lbkit.sim``, ``lbkit.replicas`` <- ``lbkit.cli``. ``_reference`` modules (exact
+solvers) are imported only by tests, benchmarks and the command-line tool. Heavy optional dependencies are never
 imported by the light subpackages.
 """
 
@@ -17,7 +17,7 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "lbkit"
 
-LAYER = {"core": 0, "prefill": 1, "decode": 1, "eplb": 1, "sim": 2, "cli": 3}
+LAYER = {"core": 0, "prefill": 1, "decode": 1, "eplb": 1, "sim": 2, "replicas": 2, "cli": 3}
 
 
 def _package_of(module: str) -> str | None:
@@ -84,7 +84,7 @@ def test_light_imports_do_not_pull_heavy_dependencies():
         "        __import__(name)\n"
         "    except ModuleNotFoundError:\n"
         "        pass\n"
-        "heavy = ('ortools', 'matplotlib', 'torch', 'hypothesis')\n"
+        "heavy = ('ortools', 'matplotlib', 'torch', 'hypothesis', 'redis')\n"
         "heavy = sorted(m for m in heavy if m in sys.modules)\n"
         "print(','.join(heavy))\n"
     )

@@ -1,0 +1,184 @@
+"""``RedisStore``: per-rank load totals and each replica's contribution on a Redis server.
+
+Keys, per table (``kind`` is ``"decode"`` or ``"prefill"``; every key of a namespace carries the
+hash tag ``{namespace}``, so a cluster keeps them in one slot):
+
+- ``lbkit:{ns}:KIND:tot``: hash, field ``i`` (flat index ``column * ranks + rank``) to the
+  total over replicas, an integer;
+- ``lbkit:{ns}:KIND:c:REPLICA``: hash, the same fields, this replica's contribution;
+- ``lbkit:{ns}:KIND:ver``: hash, replica to the version of its last applied publish;
+- ``lbkit:{ns}:KIND:replicas``: set of the replicas that ever published.
+
+One Lua script (``SYNC``) publishes and views atomically: when the version is newer than the
+replica's last applied one, each published field's total moves by (new - old contribution)
+and the contribution becomes the new value; then the totals and the contribution are returned.
+Values are integers (``HINCRBY``); Lua holds them as doubles, exact below ``2**53``. Commands:
+``EVALSHA``/``EVAL``, ``HGET``, ``HSET``, ``HINCRBY``, ``HGETALL``, ``SADD``, ``SMEMBERS``,
+``DEL``, all in Redis 6.2 and Valkey.
+
+Every call has a time budget (``budget_s``: socket connect and read timeouts, no retries); a
+call that fails or exceeds it raises :class:`lbkit.core.replica.StoreError`, and the balancer
+falls back (:mod:`lbkit.core.replica`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from lbkit.core.replica import StoreError
+from lbkit.core.validation import check_real
+
+__all__ = ["RedisStore"]
+
+SYNC = """
+local cur = tonumber(redis.call('HGET', KEYS[3], ARGV[1]) or '-1')
+local ver = tonumber(ARGV[2])
+local applied = 0
+if ver >= 0 and ver > cur then
+  for i = 3, #ARGV, 2 do
+    local f = ARGV[i]
+    local new = tonumber(ARGV[i + 1])
+    local old = tonumber(redis.call('HGET', KEYS[2], f) or '0')
+    if new ~= old then
+      redis.call('HINCRBY', KEYS[1], f, string.format('%.0f', new - old))
+      redis.call('HSET', KEYS[2], f, ARGV[i + 1])
+    end
+  end
+  redis.call('HSET', KEYS[3], ARGV[1], ARGV[2])
+  redis.call('SADD', KEYS[4], ARGV[1])
+  applied = 1
+end
+return {applied, redis.call('HGETALL', KEYS[1]), redis.call('HGETALL', KEYS[2])}
+"""
+
+
+def _dense(pairs: list[Any], size: int) -> np.ndarray:
+    out = np.zeros(size, dtype=np.int64)
+    for i in range(0, len(pairs), 2):
+        f = int(pairs[i])
+        if f < size:
+            out[f] = int(pairs[i + 1])
+    return out
+
+
+class RedisStore:
+    """Shared per-rank load of router replicas on a Redis (>= 6.2) or Valkey server.
+
+    Parameters
+    ----------
+    url : str
+        Server address, e.g. ``"redis://127.0.0.1:6379/0"`` (``redis-py``'s ``from_url``).
+    namespace : str
+        Names the pool: every replica of one pool uses the same namespace, and one store may
+        serve a decode and a prefill balancer (their tables are apart).
+    budget_s : float, default 0.1
+        Time budget of each call, seconds (connect and read timeouts; no retries).
+    client : redis.Redis, optional
+        A client to use instead of one made from ``url`` (its own timeouts then apply).
+
+    Raises
+    ------
+    ImportError
+        ``redis-py`` is not installed (``pip install 'lbkit[redis]'``).
+    ValueError
+        An empty namespace, or one holding ``{``, ``}`` or ``:``.
+
+    Runtime complexity: one round trip per call; the server's work is O(published fields +
+    fields of the table).
+    """
+
+    def __init__(
+        self, url: str, *, namespace: str, budget_s: float = 0.1, client: Any = None
+    ) -> None:
+        try:
+            import redis
+            from redis.backoff import NoBackoff
+            from redis.retry import Retry
+        except ImportError:  # pragma: no cover - depends on the environment
+            raise ImportError(
+                "lbkit.replicas.RedisStore needs redis-py: pip install 'lbkit[redis]'"
+            ) from None
+        if not isinstance(namespace, str) or not namespace or any(c in namespace for c in "{}:"):
+            raise ValueError(
+                f"namespace: must be a non-empty str without '{{', '}}' or ':', got {namespace!r}"
+            )
+        self.namespace = namespace
+        self.budget_s = check_real(budget_s, "budget_s", min_value=0.0, strict_min=True)
+        if client is None:
+            client = redis.Redis.from_url(
+                url,
+                socket_timeout=self.budget_s,
+                socket_connect_timeout=self.budget_s,
+                retry=Retry(NoBackoff(), 0),
+                retry_on_timeout=False,
+            )
+        self._client = client
+        self._errors = (redis.exceptions.RedisError, OSError)
+        self._sync = client.register_script(SYNC)
+
+    def _key(self, table: str, part: str) -> str:
+        return f"lbkit:{{{self.namespace}}}:{table}:{part}"
+
+    def sync(
+        self,
+        key: str,
+        replica_id: str,
+        version: int,
+        fields: np.ndarray,
+        values: np.ndarray,
+        size: int,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Publish and view in one atomic script (:class:`lbkit.core.replica.Store`)."""
+        keys = [self._key(key, "tot"), self._key(key, f"c:{replica_id}"),
+                self._key(key, "ver"), self._key(key, "replicas")]  # fmt: skip
+        args: list[Any] = [replica_id, int(version)]
+        for f, v in zip(fields.tolist(), values.tolist(), strict=True):
+            args += (f, v)
+        try:
+            _, tot, mine = self._sync(keys=keys, args=args)
+        except self._errors as exc:
+            raise StoreError(f"{type(exc).__name__}: {exc}") from exc
+        return _dense(tot, size), _dense(mine, size)
+
+    # ------------------------------------------------------------------ inspection
+    def totals(self, key: str, size: int) -> np.ndarray:
+        """Totals of table ``key`` (``"decode"`` or ``"prefill"``), ``size`` int64 fields."""
+        try:
+            return _dense(self._flat(self._client.hgetall(self._key(key, "tot"))), size)
+        except self._errors as exc:
+            raise StoreError(f"{type(exc).__name__}: {exc}") from exc
+
+    def contributions(self, key: str, size: int) -> dict[str, np.ndarray]:
+        """Each replica's contribution to table ``key``, ``size`` int64 fields each."""
+        try:
+            names = sorted(m.decode() for m in self._client.smembers(self._key(key, "replicas")))
+            return {
+                name: _dense(self._flat(self._client.hgetall(self._key(key, f"c:{name}"))), size)
+                for name in names
+            }
+        except self._errors as exc:
+            raise StoreError(f"{type(exc).__name__}: {exc}") from exc
+
+    @staticmethod
+    def _flat(mapping: dict[Any, Any]) -> list[Any]:
+        out: list[Any] = []
+        for k, v in mapping.items():
+            out += (k, v)
+        return out
+
+    def clear(self) -> None:
+        """Delete every key of this namespace's tables (for tests and a fresh start)."""
+        try:
+            for table in ("decode", "prefill"):
+                names = self._client.smembers(self._key(table, "replicas"))
+                keys = [self._key(table, p) for p in ("tot", "ver", "replicas")]
+                keys += [self._key(table, f"c:{m.decode()}") for m in names]
+                self._client.delete(*keys)
+        except self._errors as exc:
+            raise StoreError(f"{type(exc).__name__}: {exc}") from exc
+
+    def close(self) -> None:
+        """Close the client's connections."""
+        self._client.close()

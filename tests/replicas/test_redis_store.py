@@ -1,0 +1,70 @@
+"""RedisStore on a real server: the SYNC script's arithmetic, versions and atomicity."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("redis")
+
+from lbkit.core.replica import StoreError  # noqa: E402
+from lbkit.replicas import RedisStore  # noqa: E402
+
+
+def _sync(store, replica, version, values: dict, size=4):
+    fields = np.array(list(values), dtype=np.int64)
+    vals = np.array(list(values.values()), dtype=np.int64)
+    return store.sync("decode", replica, version, fields, vals, size)
+
+
+def test_sync_sums_contributions_and_ignores_old_versions(any_server):
+    store = RedisStore(any_server.url, namespace="s", budget_s=2.0)
+    tot, mine = _sync(store, "a", 1, {0: 3, 2: 2**50})
+    assert tot.tolist() == [3, 0, 2**50, 0] and mine.tolist() == tot.tolist()
+    tot, mine = _sync(store, "b", 1, {0: 1, 1: 5})
+    assert tot.tolist() == [4, 5, 2**50, 0] and mine.tolist() == [1, 5, 0, 0]
+    tot, _ = _sync(store, "a", 2, {0: 1, 2: 7})  # absolute values: totals move by the change
+    assert tot.tolist() == [2, 5, 7, 0]
+    for version in (2, 1):  # a retried or late publish changes nothing
+        tot, mine = _sync(store, "a", version, {0: 99})
+        assert tot.tolist() == [2, 5, 7, 0] and mine.tolist() == [1, 0, 7, 0]
+    tot, mine = _sync(store, "a", -1, {})  # a view
+    assert tot.tolist() == [2, 5, 7, 0]
+    contrib = store.contributions("decode", 4)
+    assert sorted(contrib) == ["a", "b"]
+    assert (sum(contrib.values()) == store.totals("decode", 4)).all()
+    store.clear()
+    assert store.totals("decode", 4).tolist() == [0, 0, 0, 0]
+    store.close()
+
+
+def test_an_unreachable_server_raises_store_error(own_server):
+    store = RedisStore(own_server.url, namespace="x", budget_s=0.2)
+    _sync(store, "a", 1, {0: 1})
+    own_server.stop()
+    with pytest.raises(StoreError):
+        _sync(store, "a", 2, {0: 2})
+    own_server.start()  # the script cache is empty again: it is reloaded
+    tot, _ = _sync(store, "a", 3, {0: 2})
+    assert tot.tolist() == [2, 0, 0, 0]  # nothing persisted: the table starts empty
+
+
+def test_a_paused_server_times_out_within_the_budget(own_server):
+    store = RedisStore(own_server.url, namespace="p", budget_s=0.1)
+    _sync(store, "a", 1, {0: 1})
+    own_server.pause()
+    try:
+        with pytest.raises(StoreError, match="Timeout"):
+            _sync(store, "a", 2, {0: 2})
+    finally:
+        own_server.resume()
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [(dict(namespace=""), "namespace"), (dict(namespace="a:b"), "namespace"),
+     (dict(namespace="n", budget_s=0.0), "budget_s")],
+)  # fmt: skip
+def test_bad_arguments_are_named(kw, match):
+    with pytest.raises(ValueError, match=match):
+        RedisStore("redis://127.0.0.1:1/0", **kw)
