@@ -2,8 +2,8 @@
 
 ``lbkit.core`` <- ``lbkit.prefill`` / ``lbkit.decode`` / ``lbkit.eplb`` (siblings never import
 each other) <- ``lbkit.sim``, ``lbkit.replicas`` <- ``lbkit.cli``. ``_reference`` modules (exact
-solvers) are imported only by tests, benchmarks and the command-line tool. Heavy optional dependencies are never
-imported by the light subpackages.
+solvers) are imported only by tests, benchmarks and the command-line tool. Heavy optional
+dependencies are never imported by the light subpackages.
 """
 
 from __future__ import annotations

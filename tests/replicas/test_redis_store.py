@@ -5,10 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-pytest.importorskip("redis")
-
-from lbkit.core.replica import StoreError  # noqa: E402
-from lbkit.replicas import RedisStore  # noqa: E402
+from lbkit.core.replica import StoreError
+from lbkit.replicas import RedisStore
 
 
 def _sync(store, replica, version, values: dict, size=4):

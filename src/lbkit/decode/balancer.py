@@ -75,6 +75,7 @@ from lbkit.core.engines import DRAINING as _DRAINING
 from lbkit.core.engines import OUT as _OUT
 from lbkit.core.engines import STATE_NAMES as _STATE_NAMES
 from lbkit.core.metrics import max_over_mean
+from lbkit.core.replica import ReplicaLink, Store, replica_id_iv
 from lbkit.core.validation import as_int_array, as_rng, check_choice, check_int, to_numpy
 from lbkit.decode import _kernels as K
 from lbkit.decode._state import DEFAULT_COST, capacity_iv, params
@@ -157,7 +158,9 @@ class DecodeStatistics:
     (``drift_requests_max``, ``drift_kv_tokens_max``) and the summed absolute KV drift
     (``drift_kv_tokens_total``); ``migrated`` (every move) and ``migrated_for_room`` (those
     :meth:`DecodeBalancer.rebalance` made to free a rank for a refused request; they come first
-    in its result and do not count against ``max_moves``).
+    in its result and do not count against ``max_moves``). With a store: ``store_views`` (good
+    store calls), ``store_fallbacks`` (decisions on the fallback estimate), ``store_errors``
+    (failed calls) and ``store_reconnects`` (whole publishes after a failure or a lost store).
     """
 
     num_requests: tuple[int, ...]
@@ -187,6 +190,10 @@ class DecodeStatistics:
     migrated_for_room: int
     foreign_requests: tuple[int, ...] = ()
     foreign_kv_tokens: tuple[int, ...] = ()
+    store_views: int = 0
+    store_fallbacks: int = 0
+    store_errors: int = 0
+    store_reconnects: int = 0
 
 
 class Migration(NamedTuple):
@@ -246,6 +253,11 @@ class DecodeBalancer:
         before every admission), or every request (``O(requests * ranks)``).
     rng : numpy Generator, int seed or None
         Randomness of the ``"random"`` policy (``None`` means seed 0).
+    store : Store, optional
+        A load store shared by the router replicas of this engine (e.g.
+        :class:`lbkit.replicas.RedisStore`); ``None`` (default): this balancer is alone.
+    replica_id : str, optional
+        This replica's name in ``store`` (required with it; unique among the replicas).
 
     Notes
     -----
@@ -255,6 +267,14 @@ class DecodeBalancer:
     that lowers the balance objective. The earlier defaults are explicit arguments:
     ``policy="sum_of_squares", max_migrations=0, make_room=False`` admits only, and
     ``make_room=False, migration_sources="all"`` makes ``rebalance(k)`` the earlier global plan.
+
+    With ``store``, the caller's code stays the same: :meth:`admit` and :meth:`rebalance` first
+    view the store (the foreign load is the store's totals minus this replica's contribution,
+    :meth:`set_foreign_load`), and every change of the ledger (admission, finish, abort, step,
+    corrected report, migration, removed rank) publishes the replica's per-rank load. An
+    admission costs two store calls. When the store does not answer within its budget the
+    decision runs on an estimate and ``statistics().store_fallbacks`` counts it
+    (:mod:`lbkit.core.replica`).
 
     Examples
     --------
@@ -292,8 +312,11 @@ class DecodeBalancer:
         make_room: bool = True,
         migration_sources: str = "heaviest",
         rng: np.random.Generator | int | None = None,
+        store: Store | None = None,
+        replica_id: str | None = None,
     ) -> None:
         n = check_int(num_ranks, "num_ranks", min_value=1)
+        rid = replica_id_iv(store, replica_id)
         self._max_moves = check_int(max_migrations, "max_migrations", min_value=0)
         if not isinstance(make_room, (bool, np.bool_)):
             raise TypeError(f"make_room: must be a bool, got {type(make_room).__name__}")
@@ -330,6 +353,10 @@ class DecodeBalancer:
         self._counts = dict.fromkeys(_COUNTERS, 0)
         self._placed = tuple(Decision(r, PLACED) for r in range(n))  # no allocation per call
         self._grow(64)
+        self._link = None
+        if rid is not None:
+            self._link = ReplicaLink(store, rid, key="decode", num_ranks=n, columns=2)
+            self._push()
 
     # ------------------------------------------------------------------ properties
     @property
@@ -387,15 +414,35 @@ class DecodeBalancer:
         ([0, 1], (3, 0))
         """
         new = foreign_iv(num_requests, kv_tokens, self._n, _MAX_TOKENS)
-        db = (new.num_requests - self._fb).astype(np.float64)
-        ds = (new.kv_tokens - self._fs).astype(np.float64)
+        self._set_foreign(new.num_requests, new.kv_tokens)
+
+    def _set_foreign(self, fb: np.ndarray, fs: np.ndarray) -> None:
+        db = (fb - self._fb).astype(np.float64)
+        ds = (fs - self._fs).astype(np.float64)
         X = self._X
         X[K.ROW_B] += db
         X[K.ROW_S] += ds
         if self._h:
             X[K.ROW_PB] += db
             X[K.ROW_PS] += ds + self._h * db
-        self._fb, self._fs = new
+        self._fb, self._fs = fb, fs
+
+    # ------------------------------------------------------------------ store
+    def _own(self) -> np.ndarray:
+        own = self._X[K.ROW_B : K.ROW_S + 1].astype(np.int64)
+        own[0] -= self._fb
+        own[1] -= self._fs
+        return own
+
+    def _pull(self) -> None:
+        """View the store before a decision: its foreign load replaces ours."""
+        f = self._link.view(self._own())
+        self._set_foreign(np.minimum(f[0], _MAX_TOKENS), np.minimum(f[1], _MAX_TOKENS))
+
+    def _push(self) -> None:
+        """Publish the ledger's per-rank load after a change."""
+        if self._link is not None:
+            self._link.publish(self._own())
 
     def __len__(self) -> int:
         return len(self._ids)
@@ -514,6 +561,8 @@ class DecodeBalancer:
             expect = -1
         else:
             expect = check_int(expected_output_tokens, "expected_output_tokens", min_value=0)
+        if self._link is not None:
+            self._pull()
         free = self._free
         if not free:
             self._grow(self._slots.shape[1])
@@ -544,18 +593,22 @@ class DecodeBalancer:
         self._rid_of[slot] = request_id
         self._order += 1
         self._cursor = r + 1 if r + 1 < self._n else 0
+        if self._link is not None:
+            self._push()
         return self._placed[r]
 
     def finish(self, request_id: Hashable) -> int:
         """Release a finished request; returns the rank it ran on. ``KeyError`` if unknown."""
         r = self._release(self._slot_of(request_id))
         self._counts["finished"] += 1
+        self._push()
         return r
 
     def abort(self, request_id: Hashable) -> int:
         """Release an aborted request; returns its rank. ``KeyError`` if unknown."""
         r = self._release(self._slot_of(request_id))
         self._counts["aborted"] += 1
+        self._push()
         return r
 
     # ------------------------------------------------------------------ progress
@@ -618,6 +671,7 @@ class DecodeBalancer:
             self._X[K.ROW_S] += inc[:n] * (self._X[K.ROW_B] - self._fb)  # own requests grow
         self._reproject()
         self._counts["steps"] += 1
+        self._push()
 
     # ------------------------------------------------------------------ migration
     def migrate(self, request_id: Hashable, rank: int) -> int:
@@ -652,6 +706,7 @@ class DecodeBalancer:
                 f"{int(X[K.ROW_CAP_S, rank])})"
             )
         self._move(slot, rank)
+        self._push()
         return a
 
     def _move(self, slot: int, rank: int) -> None:
@@ -737,6 +792,8 @@ class DecodeBalancer:
         used = np.flatnonzero(self._slots[_RANK] < self._n)
         if not len(used):
             return ()
+        if self._link is not None:
+            self._pull()
         out: list[Migration] = []
         reserved = -1
         released = self._counts["finished"] + self._counts["aborted"] + self._counts["handed_back"]
@@ -765,6 +822,8 @@ class DecodeBalancer:
             )  # fmt: skip
             for i, dst in zip(plan.request.tolist(), plan.target.tolist(), strict=True):
                 out.append(self._moved(int(used[i]), dst))
+        if out:
+            self._push()
         return tuple(out)
 
     def _moved(self, slot: int, rank: int) -> Migration:
@@ -804,6 +863,7 @@ class DecodeBalancer:
         self._state[rank] = _OUT
         self._X[K.ROW_OK, rank] = 0.0
         self._counts["handed_back"] += len(ids)
+        self._push()
         return RemovedRequests(ids, kv)
 
     def restore_rank(self, rank: int) -> None:
@@ -868,6 +928,7 @@ class DecodeBalancer:
         self._X[K.ROW_S, rank] = got_s + fs
         self._reproject()
         c["reports_corrected"] += 1
+        self._push()
         return ReportResult(True, True, db, ds)
 
     # ------------------------------------------------------------------ introspection
@@ -916,7 +977,19 @@ class DecodeBalancer:
             migrated_for_room=c["migrated_for_room"],
             foreign_requests=tuple(self._fb.tolist()),
             foreign_kv_tokens=tuple(self._fs.tolist()),
+            **self._store_counts(),
         )
+
+    def _store_counts(self) -> dict[str, int]:
+        if self._link is None:
+            return {}
+        c = self._link.counts
+        return {
+            "store_views": c["views"],
+            "store_fallbacks": c["fallbacks"],
+            "store_errors": c["errors"],
+            "store_reconnects": c["reconnects"] + c["rebuilds"],
+        }
 
     def _check(self) -> None:
         """Assert every internal invariant (for tests; O(ranks + requests))."""

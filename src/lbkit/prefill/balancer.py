@@ -51,6 +51,7 @@ import numpy as np
 
 from lbkit.core.cost import QuadraticCost
 from lbkit.core.engines import ACTIVE, DRAINING, OUT, STATE_NAMES
+from lbkit.core.replica import ReplicaLink, Store, replica_id_iv
 from lbkit.core.validation import as_int_array, as_rng, check_int
 from lbkit.prefill.apportion import allocate_engines, serving_buckets
 from lbkit.prefill.choice import RankChooser, layout
@@ -77,6 +78,9 @@ from lbkit.prefill.rounds import replan, smoothed_demand
 
 __all__ = ["PrefillBalancer"]
 
+#: Units of the quota and work a store holds (integers): nanoseconds.
+STORE_NS = 1e9
+
 
 class PrefillBalancer:
     """Route prefill requests to engines and ranks of a pool, re-planning engines per bucket.
@@ -101,6 +105,16 @@ class PrefillBalancer:
         Randomness for ``RankChoice.sample``.
     now_s : float, default 0
         Start of the first round, seconds.
+    store : Store, optional
+        A load store shared by the router replicas of this pool (e.g.
+        :class:`lbkit.replicas.RedisStore`); ``None`` (default): this balancer is alone. Each
+        :meth:`route` and :meth:`end_round` first views it (the foreign load is the store's
+        totals minus this replica's contribution, :meth:`set_foreign_load`); each change of the
+        ledger publishes the replica's per-rank requests, quota and work (in nanoseconds).
+        When the store does not answer within its budget the decision runs on an estimate
+        (counted in ``statistics().store_fallbacks``; :mod:`lbkit.core.replica`).
+    replica_id : str, optional
+        This replica's name in ``store`` (required with it; unique among the replicas).
     **legacy
         The keyword options before the option objects (``edges=``, ``round_s=``,
         ``wake_penalty_s=``, ``context_parallel=``, ``rank_rule=``, ...): mapped onto the
@@ -164,9 +178,12 @@ class PrefillBalancer:
         rounds: Rounds | None = None,
         rng: np.random.Generator | int | None = None,
         now_s: float = 0.0,
+        store: Store | None = None,
+        replica_id: str | None = None,
         **legacy: Any,
     ) -> None:
         e = self._num_engines = check_int(num_engines, "num_engines", min_value=1)
+        rid = replica_id_iv(store, replica_id)
         self._ranks = check_int(ranks_per_engine, "ranks_per_engine", min_value=1)
         if not isinstance(cost, QuadraticCost):
             raise TypeError(f"cost: must be a QuadraticCost, got {type(cost).__name__}")
@@ -216,6 +233,11 @@ class PrefillBalancer:
         self._drift_last = 0.0
         self._drift_max = 0.0
         self._rebuild()
+        self._link = None
+        if rid is not None:
+            n = e * self._ranks
+            self._link = ReplicaLink(store, rid, key="prefill", num_ranks=n, columns=3)
+            self._push()
 
     # ------------------------------------------------------------------ properties
     @property
@@ -302,6 +324,33 @@ class PrefillBalancer:
         new = foreign_iv(quota_s, work_s, num_requests, self.num_ranks)
         self._ledger.set_foreign(*new)
 
+    # ------------------------------------------------------------------ store
+    def _own(self) -> np.ndarray:
+        quota, work, count = self._ledger.own_flat()
+        return np.stack([count, np.rint(quota * STORE_NS).astype(np.int64),
+                         np.rint(work * STORE_NS).astype(np.int64)])  # fmt: skip
+
+    def _pull(self) -> None:
+        """View the store before a decision: its foreign load replaces ours."""
+        f = self._link.view(self._own())
+        self._ledger.set_foreign(f[1] / STORE_NS, f[2] / STORE_NS, f[0].copy())
+
+    def _push(self) -> None:
+        """Publish the ledger's per-rank load after a change."""
+        if self._link is not None:
+            self._link.publish(self._own())
+
+    def _store_counts(self) -> dict[str, int]:
+        if self._link is None:
+            return {}
+        c = self._link.counts
+        return {
+            "store_views": c["views"],
+            "store_fallbacks": c["fallbacks"],
+            "store_errors": c["errors"],
+            "store_reconnects": c["reconnects"] + c["rebuilds"],
+        }
+
     def requests_on(self, engine: int, rank: int) -> tuple[Hashable, ...]:
         """Request ids queued or running on a rank, in FIFO order."""
         engine = self._engine_iv(engine)
@@ -385,6 +434,8 @@ class PrefillBalancer:
         if request_id in led.requests:
             raise ValueError(f"request_id: {request_id!r} is already in the ledger")
         bucket = bisect.bisect_right(self._edges, total_tokens)
+        if self._link is not None:
+            self._pull()
         slot, reason, cached = self._choose(bucket, total_tokens, cached_tokens, hits)
         quota = led.quota(total_tokens - cached, cached)
         self._round_quota[bucket] += quota
@@ -394,6 +445,7 @@ class PrefillBalancer:
         flat = led.rank_at[slot]
         led.add(Request(request_id, flat, bucket, total_tokens, cached, 0, quota))
         self._counts["routed"] += 1
+        self._push()
         return RouteDecision(flat // self._ranks, flat % self._ranks, bucket, reason)
 
     def _hits_iv(self, cached_tokens: Any, total_tokens: Any) -> np.ndarray:
@@ -443,6 +495,7 @@ class PrefillBalancer:
                 f"tokens: request {request_id!r} has {left} tokens left to prefill, got {tokens}"
             )
         self._ledger.advance(req, req.done + tokens)
+        self._push()
         return left - tokens
 
     def reassign(self, request_id: Hashable, rank: int, *, now_s: float) -> None:
@@ -486,6 +539,7 @@ class PrefillBalancer:
             return
         self._ledger.move(req, new)
         self._counts["reassigned"] += 1
+        self._push()
 
     def finish(self, request_id: Hashable, *, now_s: float) -> int:
         """Remove a request from the ledger (finished, or aborted by the caller).
@@ -501,6 +555,7 @@ class PrefillBalancer:
         self._ledger.drop(req)
         self._counts["finished"] += 1
         self._maybe_join(req.rank // self._ranks)
+        self._push()
         return left
 
     def record(self, request_ids: Any, tokens: Any, finished: Any, /, *, now_s: float) -> int:
@@ -543,6 +598,7 @@ class PrefillBalancer:
         if n_fin:
             for e in sorted({f // self._ranks for f in touched}):
                 self._maybe_join(e)
+        self._push()
         return n_fin
 
     def _maybe_join(self, engine: int) -> None:
@@ -572,6 +628,8 @@ class PrefillBalancer:
                 f"now_s: must be after the start of the round ({self._round_start}), got {now}"
             )
         first = self._counts["rounds"] == 0
+        if self._link is not None:
+            self._pull()
         self._demand = smoothed_demand(self._rounds, self._demand, self._round_quota, elapsed,
                                        first)  # fmt: skip
         loads = self._ledger.total_loads().reshape(self._num_engines, self._ranks)
@@ -644,6 +702,7 @@ class PrefillBalancer:
                 moved.append(
                     (req.rid, RouteDecision(req.rank // r, req.rank % r, req.bucket, reason))
                 )
+        self._push()
         return tuple(moved)
 
     def restore_engine(self, engine: int, *, now_s: float, bucket: int | None = None) -> None:
@@ -712,6 +771,7 @@ class PrefillBalancer:
         self._counts["reports_accepted"] += 1
         self._drift_last = drift
         self._drift_max = max(self._drift_max, drift)
+        self._push()
         return ReportResult(True, drift, unknown, missing)
 
     # ------------------------------------------------------------------ planning
@@ -783,6 +843,7 @@ class PrefillBalancer:
             reassigned=c["reassigned"],
             rank_foreign_load=tuple(foreign[0].tolist()),
             rank_foreign_requests=tuple(foreign[2].tolist()),
+            **self._store_counts(),
         )
 
     def _check(self) -> None:

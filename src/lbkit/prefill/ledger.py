@@ -109,8 +109,10 @@ class Ledger:
         Quota load and step-time work per slot, seconds, foreign load included.
     count : ndarray of int, shape (num_ranks,)
         Requests per slot, foreign requests included.
-    own : ndarray of float, shape (num_ranks,)
-        The ledger's own quota load per slot, seconds.
+    own, own_work : ndarray of float, shape (num_ranks,)
+        The ledger's own quota load and work per slot, seconds.
+    own_count : ndarray of int, shape (num_ranks,)
+        The ledger's own requests per slot.
     f_load, f_work : ndarray of float, shape (num_ranks,)
         Foreign quota load and work per slot, seconds.
     f_count : ndarray of int, shape (num_ranks,)
@@ -130,6 +132,8 @@ class Ledger:
         self.work = np.zeros(n)
         self.count = np.zeros(n, dtype=np.int64)
         self.own = np.zeros(n)
+        self.own_work = np.zeros(n)
+        self.own_count = np.zeros(n, dtype=np.int64)
         self.f_load = np.zeros(n)
         self.f_work = np.zeros(n)
         self.f_count = np.zeros(n, dtype=np.int64)
@@ -148,7 +152,8 @@ class Ledger:
     def relayout(self, order: list[int]) -> None:
         """Put the per-rank sums in a new slot order (``order[slot]`` is a flat rank)."""
         to_flat = np.asarray(self.slot, dtype=np.int64)
-        names = ("load", "work", "count", "own", "f_load", "f_work", "f_count")
+        names = ("load", "work", "count", "own", "own_work", "own_count", "f_load", "f_work",
+                 "f_count")  # fmt: skip
         flat = [getattr(self, name)[to_flat] for name in names]
         self.rank_at = order
         slot = [0] * len(order)
@@ -174,8 +179,14 @@ class Ledger:
         self.f_load = quota_s[where]
         self.f_work = work_s[where]
         self.f_count = count[where]
-        for f in range(len(self.queues)):
-            self.resum(f)
+        self.load = self.own + self.f_load
+        self.work = self.own_work + self.f_work
+        self.count = self.own_count + self.f_count
+
+    def own_flat(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The ledger's own quota, work and requests per flat rank (copies)."""
+        to_flat = np.asarray(self.slot, dtype=np.int64)
+        return self.own[to_flat], self.own_work[to_flat], self.own_count[to_flat]
 
     def foreign(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The foreign quota, work and requests per flat rank (copies)."""
@@ -230,6 +241,8 @@ class Ledger:
         else:
             own = work = 0.0
         self.own[slot] = own
+        self.own_work[slot] = work
+        self.own_count[slot] = len(queue)
         self.load[slot] = own + self.f_load[slot]
         self.work[slot] = work + self.f_work[slot]
         self.count[slot] = len(queue) + self.f_count[slot]
@@ -372,4 +385,6 @@ class Ledger:
         assert seen == len(self.requests), "a request is in the ledger but in no queue"
         assert (self.load == self.own + self.f_load).all(), "total load is not own + foreign"
         counts = np.array([len(self.queues[f]) for f in self.rank_at], dtype=np.int64)
+        assert (self.own_count == counts).all(), "request counts are stale"
         assert (self.count == counts + self.f_count).all(), "request counts are stale"
+        assert (self.work == self.own_work + self.f_work).all(), "total work is not own + foreign"

@@ -105,7 +105,10 @@ class PrefillStatistics:
     queued or running), ``routed`` (admitted), ``finished``, ``refused``, ``handed_back``,
     ``rerouted``; ``moves`` and ``rounds`` so far; reports ``reports_accepted`` and
     ``reports_stale``; ledger drift ``drift_last_s`` and ``drift_max_s``; ``reassigned``
-    (requests moved between ranks of their engine, :meth:`PrefillBalancer.reassign`).
+    (requests moved between ranks of their engine, :meth:`PrefillBalancer.reassign`). With a
+    store: ``store_views`` (good store calls), ``store_fallbacks`` (decisions on the fallback
+    estimate), ``store_errors`` (failed calls), ``store_reconnects`` (whole publishes after a
+    failure or a lost store).
     """
 
     bucket_demand: tuple[float, ...]
@@ -133,3 +136,7 @@ class PrefillStatistics:
     reassigned: int = 0
     rank_foreign_load: tuple[float, ...] = ()
     rank_foreign_requests: tuple[int, ...] = ()
+    store_views: int = 0
+    store_fallbacks: int = 0
+    store_errors: int = 0
+    store_reconnects: int = 0
