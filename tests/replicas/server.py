@@ -36,7 +36,7 @@ def _packaged(module: str, rel: str) -> str | None:
 
 
 def server_binaries() -> dict[str, str]:
-    """Available server binaries by name (``redis-6.2``-like names in a stable order)."""
+    """Available server binaries by name, in the order of preference."""
     found: dict[str, str] = {}
     env = os.environ.get("LBKIT_REDIS_SERVER")
     if env:
@@ -45,10 +45,11 @@ def server_binaries() -> dict[str, str]:
         path = _packaged(module, rel)
         if path:
             found[module] = path
-    for name in ("redis-server", "valkey-server"):
-        path = shutil.which(name)
-        if path and path not in found.values():
-            found[name] = path
+    if not found:  # an OS package, only when the dev extra's servers are missing
+        for name in ("redis-server", "valkey-server"):
+            path = shutil.which(name)
+            if path:
+                found[name] = path
     return found
 
 

@@ -17,17 +17,19 @@ def _sync(store, replica, version, values: dict, size=4):
 
 def test_sync_sums_contributions_and_ignores_old_versions(any_server):
     store = RedisStore(any_server.url, namespace="s", budget_s=2.0)
-    tot, mine = _sync(store, "a", 1, {0: 3, 2: 2**50})
-    assert tot.tolist() == [3, 0, 2**50, 0] and mine.tolist() == tot.tolist()
-    tot, mine = _sync(store, "b", 1, {0: 1, 1: 5})
-    assert tot.tolist() == [4, 5, 2**50, 0] and mine.tolist() == [1, 5, 0, 0]
+    tot, ver = _sync(store, "a", 1, {0: 3, 2: 2**50})
+    assert tot.tolist() == [3, 0, 2**50, 0] and ver == 1
+    tot, ver = _sync(store, "b", 1, {0: 1, 1: 5})
+    assert tot.tolist() == [4, 5, 2**50, 0] and ver == 1
     tot, _ = _sync(store, "a", 2, {0: 1, 2: 7})  # absolute values: totals move by the change
     assert tot.tolist() == [2, 5, 7, 0]
     for version in (2, 1):  # a retried or late publish changes nothing
-        tot, mine = _sync(store, "a", version, {0: 99})
-        assert tot.tolist() == [2, 5, 7, 0] and mine.tolist() == [1, 0, 7, 0]
-    tot, mine = _sync(store, "a", -1, {})  # a view
-    assert tot.tolist() == [2, 5, 7, 0]
+        tot, ver = _sync(store, "a", version, {0: 99})
+        assert tot.tolist() == [2, 5, 7, 0] and ver == 2
+    tot, ver = _sync(store, "a", -1, {})  # a view
+    assert tot.tolist() == [2, 5, 7, 0] and ver == 2
+    assert store.contributions("decode", 4)["a"].tolist() == [1, 0, 7, 0]
+    assert _sync(store, "c", -1, {})[1] == -1  # never published
     contrib = store.contributions("decode", 4)
     assert sorted(contrib) == ["a", "b"]
     assert (sum(contrib.values()) == store.totals("decode", 4)).all()

@@ -14,9 +14,9 @@ replica's own *contribution* in a store (:class:`lbkit.replicas.RedisStore`). A 
 - **falls back** when a store call fails or exceeds its time budget: the decision then runs on
   the own ledger plus an estimate of the foreign load (below), the fallback is counted, and the
   store is not called again for ``retry_s`` seconds; the first call that succeeds after that
-  publishes the whole own load again (reconnect) before it views. A good call whose copy of the
-  own contribution differs from what was published (the server restarted and lost it) is
-  followed at once by a whole publish.
+  publishes the whole own load again (reconnect) before it views. A good call that finds the
+  store without our last applied version (the server restarted and lost it, or another process
+  published under our id) is followed at once by a whole publish.
 
 Fallback estimate
 -----------------
@@ -66,11 +66,12 @@ class Store(Protocol):
         fields: np.ndarray,
         values: np.ndarray,
         size: int,
-    ) -> tuple[np.ndarray, np.ndarray]:
+    ) -> tuple[np.ndarray, int]:
         """Publish ``values`` (int64) at flat ``fields`` of this replica's contribution to table
         ``key`` if ``version`` is newer than the last applied one (``version < 0``: publish
-        nothing); then return ``(totals, mine)``, int64 arrays of the ``size`` fields, in one
-        atomic step."""
+        nothing); then return the totals (int64, the ``size`` fields; ``None`` when ``size`` is
+        0) and the version of the replica's last applied publish (-1: none), in one atomic
+        step."""
         ...
 
 
@@ -106,10 +107,10 @@ class ReplicaLink:
         Seconds, for the retry delay only (never for a decision).
     retry_s : float, default ``DEFAULT_RETRY_S``
 
-    Counters: ``views`` (good calls), ``publishes``, ``fallbacks`` (decisions on an estimate),
-    ``errors`` (failed store calls), ``reconnects`` (first good call after a failure),
-    ``rebuilds`` (the store's copy of the own contribution was not what was published, e.g.
-    after a server restart without persistence: published whole again at once).
+    Counters: ``views`` (good calls that read the totals), ``publishes``, ``fallbacks``
+    (decisions on an estimate), ``errors`` (failed store calls), ``reconnects`` (first good
+    call after a failure), ``rebuilds`` (the store did not hold our last publish, e.g. after a
+    server restart without persistence: published whole again at once).
     """
 
     def __init__(
@@ -137,14 +138,18 @@ class ReplicaLink:
         self.share = 1.0
         self.dirty = True  # the store may not hold our contribution: publish it whole
         self.failed = False
+        self.acked = -1  # version of our last publish the store applied
         self.retry_at = -np.inf
         names = ("views", "publishes", "fallbacks", "errors", "reconnects", "rebuilds")
         self.counts = dict.fromkeys(names, 0)
 
     # ------------------------------------------------------------------ calls
-    def _call(self, own: np.ndarray, fields: np.ndarray | None, rebuilt: bool = False) -> bool:
+    def _call(
+        self, own: np.ndarray, fields: np.ndarray | None, rebuilt: bool = False, view: bool = True
+    ) -> bool:
         """One store call: publish ``own`` at ``fields`` (``None``: nothing; the whole table
-        when dirty), then take the view. False on failure (counted, retry delayed)."""
+        when dirty), then take the view (unless not ``view``). False on failure (counted, retry
+        delayed)."""
         if self.clock() < self.retry_at:
             return False
         flat = own.ravel()
@@ -157,8 +162,8 @@ class ReplicaLink:
             self.version += 1
             version = self.version
         try:
-            totals, mine = self.store.sync(
-                self.key, self.replica_id, version, fields, flat[fields], flat.size
+            totals, stored = self.store.sync(
+                self.key, self.replica_id, version, fields, flat[fields], flat.size if view else 0
             )
         except StoreError:
             self.counts["errors"] += 1
@@ -172,15 +177,18 @@ class ReplicaLink:
         if version >= 0:
             self.counts["publishes"] += 1
             self.published = own.copy()
-        self.counts["views"] += 1
-        totals = totals.reshape(self.shape)
-        mine = mine.reshape(self.shape)
-        if not np.array_equal(mine, self.published) and not rebuilt:
+            self.acked = version
+        if stored != self.acked and not rebuilt:
             # The store lost (a restart without persistence) or never held our contribution,
             # or another process wrote it under our id: publish it whole again.
             self.counts["rebuilds"] += 1
             self.dirty = True
-            return self._call(own, None, rebuilt=True)
+            return self._call(own, None, rebuilt=True, view=view)
+        if not view:
+            return True
+        self.counts["views"] += 1
+        totals = totals.reshape(self.shape)
+        mine = self.published
         self.foreign = np.maximum(totals - mine, 0)
         self.own_at_view = mine
         tb, ob = int(totals[0].sum()), int(mine[0].sum())
@@ -202,4 +210,4 @@ class ReplicaLink:
         leaves the link dirty, to publish whole on the next good call."""
         changed = np.flatnonzero((own != self.published).ravel())
         if len(changed) or self.dirty:
-            self._call(own, changed)
+            self._call(own, changed, view=False)
