@@ -14,7 +14,15 @@ import sys
 from pathlib import Path
 
 PAGE = Path(__file__).resolve().parent / "reference.md"
-PACKAGES = ("lbkit", "lbkit.core", "lbkit.prefill", "lbkit.decode", "lbkit.eplb", "lbkit.sim")
+PACKAGES = (
+    "lbkit",
+    "lbkit.core",
+    "lbkit.prefill",
+    "lbkit.decode",
+    "lbkit.eplb",
+    "lbkit.sim",
+    "lbkit.replicas",
+)
 
 
 def _summary(obj: object) -> str:

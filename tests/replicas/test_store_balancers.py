@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -246,7 +247,7 @@ class _Down:
     def __init__(self):
         self.up = True
 
-    def sync(self, key, replica_id, version, fields, values, size):
+    def sync(self, key, replica_id, version, fields, values, size, whole=False):
         if not self.up:
             raise StoreError("down")
         mine = self.mine if hasattr(self, "mine") else np.zeros(self.foreign.size, dtype=np.int64)
@@ -280,3 +281,46 @@ def test_store_and_replica_id_go_together():
         DecodeBalancer(2, store=_Down(), replica_id="")
     with pytest.raises(TypeError, match="store"):
         PrefillBalancer(1, 1, cost=COST, store=object(), replica_id="a")
+
+
+def test_a_killed_replica_is_reaped_and_a_paused_one_comes_back_whole(redis_server):
+    """SIGKILL a replica process: its contribution stays until reaped; a replica only silent
+    (paused) is reaped too, and publishes its whole ledger again when it calls next."""
+    here = Path(__file__).resolve().parent
+    env = dict(os.environ, NUMBA_DISABLE_JIT="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(here.parents[1] / "src"), env.get("PYTHONPATH", "")])
+    proc = subprocess.Popen(
+        [sys.executable, str(here / "worker.py"), redis_server.url, "reap", "dead", "7", "60",
+         "hold"],
+        stdout=subprocess.PIPE,
+        env=env,
+    )  # fmt: skip
+    try:
+        dead = json.loads(proc.stdout.readline())
+    finally:
+        proc.kill()  # SIGKILL: no goodbye
+        proc.wait(timeout=30)
+    store = _store(redis_server, "reap")
+    alive = DecodeBalancer(DECODE_RANKS, store=store, replica_id="alive")
+    paused = DecodeBalancer(DECODE_RANKS, store=_store(redis_server, "reap"), replica_id="paused")
+    for i in range(6):
+        alive.admit(f"a{i}", 300)
+        paused.admit(f"p{i}", 70)
+    n = 2 * DECODE_RANKS
+    ledger = {name: np.concatenate([b.num_requests(), b.kv_tokens()])
+              for name, b in (("alive", alive), ("paused", paused))}  # fmt: skip
+    ledger["dead"] = np.array(dead["decode"]).ravel()
+    assert store.totals("decode", n).tolist() == sum(ledger.values()).tolist()
+    time.sleep(1.0)
+    alive.admit("a-last", 300)  # a call: alive's heartbeat is fresh
+    ledger["alive"] = np.concatenate([alive.num_requests(), alive.kv_tokens()])
+    assert store.reap("decode", max_silence_s=0.5) == ("dead", "paused")
+    assert store.reap("decode", max_silence_s=0.5) == ()  # idempotent
+    assert store.totals("decode", n).tolist() == ledger["alive"].tolist()
+    paused.finish("p0")  # its partial publish is refused: it publishes whole
+    ledger["paused"] = np.concatenate([paused.num_requests(), paused.kv_tokens()])
+    assert store.totals("decode", n).tolist() == (ledger["alive"] + ledger["paused"]).tolist()
+    assert paused.statistics().store_reconnects == 1
+    contrib = store.contributions("decode", n)
+    assert sorted(contrib) == ["alive", "paused"]
+    store.clear()

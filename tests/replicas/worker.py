@@ -1,15 +1,16 @@
-"""One router replica for the concurrency test: ``python worker.py URL NAMESPACE ID SEED OPS``.
+"""One router replica for the tests: ``python worker.py URL NAMESPACE ID SEED OPS [hold]``.
 
 Admits, finishes and steps requests of a decode balancer and routes, progresses and finishes
 requests of a prefill balancer, both on the shared store, with retried finishes (a second
 ``finish`` of the same id is refused by the ledger and changes nothing). Prints its own
-ledgers' per-rank loads as JSON.
+ledgers' per-rank loads as JSON, then (with ``hold``) waits to be killed.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 
 import numpy as np
 
@@ -23,6 +24,7 @@ DECODE_RANKS, ENGINES, RANKS = 8, 2, 2
 
 def main() -> None:
     url, ns, rid, seed, ops = sys.argv[1:6]
+    hold = sys.argv[6:] == ["hold"]
     rng = np.random.default_rng(int(seed))
     store = RedisStore(url, namespace=ns, budget_s=5.0)
     dec = DecodeBalancer(DECODE_RANKS, store=store, replica_id=rid)
@@ -62,7 +64,9 @@ def main() -> None:
                           for f in range(ENGINES * RANKS)],
         "prefill_quota_ns": quota.tolist(),
         "fallbacks": d.store_fallbacks + p.store_fallbacks,
-    }))  # fmt: skip
+    }), flush=True)  # fmt: skip
+    if hold:
+        time.sleep(120)
 
 
 if __name__ == "__main__":

@@ -66,11 +66,13 @@ class Store(Protocol):
         fields: np.ndarray,
         values: np.ndarray,
         size: int,
-    ) -> tuple[np.ndarray, int]:
+        whole: bool = False,
+    ) -> tuple[np.ndarray | None, int]:
         """Publish ``values`` (int64) at flat ``fields`` of this replica's contribution to table
         ``key`` if ``version`` is newer than the last applied one (``version < 0``: publish
         nothing); then return the totals (int64, the ``size`` fields; ``None`` when ``size`` is
-        0) and the version of the replica's last applied publish (-1: none), in one atomic
+        0) and the version of the replica's last applied publish (-1: none; -2: the replica
+        was reaped, and only a ``whole`` publish of every field is applied), in one atomic
         step."""
         ...
 
@@ -153,7 +155,8 @@ class ReplicaLink:
         if self.clock() < self.retry_at:
             return False
         flat = own.ravel()
-        if self.dirty:
+        whole = self.dirty
+        if whole:
             fields = np.arange(flat.size, dtype=np.int64)
         elif fields is None:
             fields = flat[:0]
@@ -163,7 +166,13 @@ class ReplicaLink:
             version = self.version
         try:
             totals, stored = self.store.sync(
-                self.key, self.replica_id, version, fields, flat[fields], flat.size if view else 0
+                self.key,
+                self.replica_id,
+                version,
+                fields,
+                flat[fields],
+                flat.size if view else 0,
+                whole=whole,
             )
         except StoreError:
             self.counts["errors"] += 1

@@ -7,7 +7,11 @@ hash tag ``{namespace}``, so a cluster keeps them in one slot):
   total over replicas, an integer;
 - ``lbkit:{ns}:KIND:c:REPLICA``: hash, the same fields, this replica's contribution;
 - ``lbkit:{ns}:KIND:ver``: hash, replica to the version of its last applied publish;
-- ``lbkit:{ns}:KIND:replicas``: set of the replicas that ever published.
+- ``lbkit:{ns}:KIND:replicas``: set of the replicas holding a contribution;
+- ``lbkit:{ns}:KIND:seen``: hash, replica to the server's time of its last call, ms (the
+  heartbeat: every call is one);
+- ``lbkit:{ns}:KIND:reaped``: set of the replicas whose contribution :meth:`RedisStore.reap`
+  removed.
 
 One Lua script (``SYNC``) publishes and views atomically: when the version is newer than the
 replica's last applied one, each published field's total moves by (new - old contribution)
@@ -16,10 +20,23 @@ string (a reply of one string parses far faster than one of every field; ``size 
 none, for a publish whose caller needs no view), with the version of the replica's last
 applied publish. The totals are read with one ``HGETALL`` (linear in the fields even in the
 compact encoding of small hashes, where each ``HMGET`` field is a scan).
-Values are integers (``HINCRBY``); Lua holds them as doubles, exact below ``2**53``. Commands:
-``EVALSHA``/``EVAL``, ``HGET``, ``HSET``, ``HINCRBY``, ``HGETALL``, ``SADD``,
-``SMEMBERS``,
-``DEL``, all in Redis 6.2 and Valkey.
+Values are integers (``HINCRBY``); Lua holds them as doubles, exact below ``2**53``.
+
+Reaping
+-------
+A replica that crashed leaves its contribution in the totals. :meth:`RedisStore.reap` (run by
+any replica, or by an operator's job; atomic per replica, so concurrent reapers are safe) takes
+out the contribution of every replica silent for ``max_silence_s``: the totals move by minus
+its contribution, and the replica is marked reaped. A reaped replica that was only paused is
+refused every partial publish and told so (its stored version reads ``-2``): it publishes its
+whole ledger again at once (:mod:`lbkit.core.replica`, *rebuild*), so nothing is lost when it
+comes back, and nothing is counted twice if it does not. A replica idle for longer than the
+silence has nothing at stake either: its next call rebuilds it.
+
+Commands: ``EVALSHA``/``EVAL``, ``TIME``, ``HGET``, ``HSET``, ``HDEL``, ``HINCRBY``,
+``HGETALL``, ``SADD``, ``SREM``, ``SISMEMBER``, ``SMEMBERS``, ``DEL``, all in Redis 6.2 and
+Valkey (scripts replicate by effects, the default since Redis 5, so ``TIME`` may precede
+writes).
 
 Every call has a time budget (``budget_s``: socket connect and read timeouts, no retries); a
 call that fails or exceeds it raises :class:`lbkit.core.replica.StoreError`, and the balancer
@@ -38,11 +55,15 @@ from lbkit.core.validation import check_real
 __all__ = ["RedisStore"]
 
 SYNC = """
+local t0 = redis.call('TIME')
+local ms = tonumber(t0[1]) * 1000 + math.floor(tonumber(t0[2]) / 1000)
 local cur = tonumber(redis.call('HGET', KEYS[3], ARGV[1]) or '-1')
 local ver = tonumber(ARGV[2])
+local whole = ARGV[4] == '1'
+local reaped = redis.call('SISMEMBER', KEYS[5], ARGV[1]) == 1
 local applied = 0
-if ver >= 0 and ver > cur then
-  for i = 4, #ARGV, 2 do
+if ver >= 0 and ver > cur and (whole or not reaped) then
+  for i = 5, #ARGV, 2 do
     local f = ARGV[i]
     local new = tonumber(ARGV[i + 1])
     local old = tonumber(redis.call('HGET', KEYS[2], f) or '0')
@@ -53,9 +74,13 @@ if ver >= 0 and ver > cur then
   end
   redis.call('HSET', KEYS[3], ARGV[1], ARGV[2])
   redis.call('SADD', KEYS[4], ARGV[1])
+  redis.call('SREM', KEYS[5], ARGV[1])
+  reaped = false
   applied = 1
 end
+redis.call('HSET', KEYS[6], ARGV[1], ms)
 local stored = redis.call('HGET', KEYS[3], ARGV[1]) or '-1'
+if reaped then stored = '-2' end
 local size = tonumber(ARGV[3])
 if size == 0 then return {applied, '', stored} end
 local t = {}
@@ -66,6 +91,22 @@ for i = 1, #kv, 2 do
   if f < size then t[f + 1] = kv[i + 1] end
 end
 return {applied, table.concat(t, ','), stored}
+"""
+
+REAP = """
+local t0 = redis.call('TIME')
+local ms = tonumber(t0[1]) * 1000 + math.floor(tonumber(t0[2]) / 1000)
+local last = tonumber(redis.call('HGET', KEYS[5], ARGV[1]) or '-1')
+if last < 0 or ms - last < tonumber(ARGV[2]) then return 0 end
+local kv = redis.call('HGETALL', KEYS[2])
+for i = 1, #kv, 2 do
+  redis.call('HINCRBY', KEYS[1], kv[i], string.format('%.0f', -tonumber(kv[i + 1])))
+end
+redis.call('DEL', KEYS[2])
+redis.call('SREM', KEYS[3], ARGV[1])
+redis.call('SADD', KEYS[4], ARGV[1])
+redis.call('HDEL', KEYS[5], ARGV[1])
+return 1
 """
 #: Fields of one table at most (for the ``HINCRBY`` sums to stay exact: values below 2**53).
 MAX_FIELDS = 1 << 20
@@ -138,6 +179,7 @@ class RedisStore:
         self._client = client
         self._errors = (redis.exceptions.RedisError, OSError)
         self._sync = client.register_script(SYNC)
+        self._reap = client.register_script(REAP)
 
     def _key(self, table: str, part: str) -> str:
         return f"lbkit:{{{self.namespace}}}:{table}:{part}"
@@ -150,13 +192,15 @@ class RedisStore:
         fields: np.ndarray,
         values: np.ndarray,
         size: int,
-    ) -> tuple[np.ndarray, int]:
+        whole: bool = False,
+    ) -> tuple[np.ndarray | None, int]:
         """Publish and view in one atomic script (:class:`lbkit.core.replica.Store`)."""
         keys = [self._key(key, "tot"), self._key(key, f"c:{replica_id}"),
-                self._key(key, "ver"), self._key(key, "replicas")]  # fmt: skip
+                self._key(key, "ver"), self._key(key, "replicas"), self._key(key, "reaped"),
+                self._key(key, "seen")]  # fmt: skip
         if size > MAX_FIELDS:
             raise ValueError(f"size: a table holds at most {MAX_FIELDS} fields, got {size}")
-        args: list[Any] = [replica_id, int(version), int(size)]
+        args: list[Any] = [replica_id, int(version), int(size), int(bool(whole))]
         for f, v in zip(fields.tolist(), values.tolist(), strict=True):
             args += (f, v)
         try:
@@ -164,6 +208,25 @@ class RedisStore:
         except self._errors as exc:
             raise StoreError(f"{type(exc).__name__}: {exc}") from exc
         return (_row(tot, size) if size else None), int(stored)
+
+    def reap(self, key: str, *, max_silence_s: float) -> tuple[str, ...]:
+        """Take out of table ``key`` the contribution of every replica whose last call is
+        ``max_silence_s`` seconds old or older (server time); return their ids.
+
+        Runtime complexity: one call to list the replicas, then one script per silent one,
+        O(its fields).
+        """
+        silence_ms = round(check_real(max_silence_s, "max_silence_s", min_value=0.0) * 1000)
+        keys = [self._key(key, p) for p in ("tot", "", "replicas", "reaped", "seen")]
+        out = []
+        try:
+            for name in sorted(m.decode() for m in self._client.hkeys(keys[4])):
+                keys[1] = self._key(key, f"c:{name}")
+                if self._reap(keys=keys, args=[name, silence_ms]):
+                    out.append(name)
+        except self._errors as exc:
+            raise StoreError(f"{type(exc).__name__}: {exc}") from exc
+        return tuple(out)
 
     # ------------------------------------------------------------------ inspection
     def totals(self, key: str, size: int) -> np.ndarray:
@@ -195,8 +258,8 @@ class RedisStore:
         """Delete every key of this namespace's tables (for tests and a fresh start)."""
         try:
             for table in ("decode", "prefill"):
-                names = self._client.smembers(self._key(table, "replicas"))
-                keys = [self._key(table, p) for p in ("tot", "ver", "replicas")]
+                names = self._client.hkeys(self._key(table, "seen"))
+                keys = [self._key(table, p) for p in ("tot", "ver", "replicas", "seen", "reaped")]
                 keys += [self._key(table, f"c:{m.decode()}") for m in names]
                 self._client.delete(*keys)
         except self._errors as exc:
