@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -68,3 +70,25 @@ def test_a_paused_server_times_out_within_the_budget(own_server):
 def test_bad_arguments_are_named(kw, match):
     with pytest.raises(ValueError, match=match):
         RedisStore("redis://127.0.0.1:1/0", **kw)
+
+
+def test_a_paused_leader_is_replaced_and_its_late_write_refused(any_server):
+    store = RedisStore(any_server.url, namespace="lease", budget_s=2.0)
+    a = store.acquire_lease("round", "a", ttl_s=0.3)
+    assert a == 1
+    assert store.acquire_lease("round", "b", ttl_s=0.3) == -1  # a holds it
+    assert store.acquire_lease("round", "a", ttl_s=0.3) == 1  # renewal keeps the epoch
+    assert store.write_fenced("round", a, '{"plan": 1}') == 1
+    time.sleep(0.5)  # a pauses past its lease (no renewal)
+    b = store.acquire_lease("round", "b", ttl_s=5.0)
+    assert b == 2
+    assert store.write_fenced("round", a, '{"plan": "late"}') == -1  # fenced off
+    assert store.acquire_lease("round", "a", ttl_s=0.3) == -1
+    assert store.write_fenced("round", b, '{"plan": 2}') == 2
+    assert store.read_fenced("round") == (2, 2, '{"plan": 2}')
+    assert not store.release_lease("round", "a", a)
+    assert store.release_lease("round", "b", b)
+    assert store.acquire_lease("round", "a", ttl_s=1.0) == 3
+    assert store.read_fenced("other") is None
+    with pytest.raises(ValueError, match="name"):
+        store.acquire_lease("a:b", "a", ttl_s=1.0)

@@ -33,8 +33,19 @@ whole ledger again at once (:mod:`lbkit.core.replica`, *rebuild*), so nothing is
 comes back, and nothing is counted twice if it does not. A replica idle for longer than the
 silence has nothing at stake either: its next call rebuilds it.
 
-Commands: ``EVALSHA``/``EVAL``, ``TIME``, ``HGET``, ``HSET``, ``HDEL``, ``HINCRBY``,
-``HGETALL``, ``SADD``, ``SREM``, ``SISMEMBER``, ``SMEMBERS``, ``DEL``, all in Redis 6.2 and
+Leader lease
+------------
+Once-per-round work (a prefill round's plan, EPLB scheduler state) has one writer: the holder
+of a lease, ``lbkit:{ns}:lease:NAME`` (``SET NX PX``, value ``REPLICA:EPOCH``), renewed by its
+holder (:meth:`RedisStore.acquire_lease`). Each grant takes a new *fencing epoch* from the
+counter ``lbkit:{ns}:epoch:NAME``, and :meth:`RedisStore.write_fenced` applies a write only
+under the latest epoch: a leader that paused past its lease and was replaced finds its late
+writes refused. Followers read the versioned payload with :meth:`RedisStore.read_fenced` and
+apply a version newer than the one they hold.
+
+Commands: ``EVALSHA``/``EVAL``, ``TIME``, ``GET``, ``SET``, ``INCR``, ``PEXPIRE``, ``HGET``,
+``HMGET``, ``HSET``, ``HDEL``, ``HINCRBY``, ``HGETALL``, ``HKEYS``, ``SADD``, ``SREM``,
+``SISMEMBER``, ``SMEMBERS``, ``DEL``, all in Redis 6.2 and
 Valkey (scripts replicate by effects, the default since Redis 5, so ``TIME`` may precede
 writes).
 
@@ -108,6 +119,37 @@ redis.call('SADD', KEYS[4], ARGV[1])
 redis.call('HDEL', KEYS[5], ARGV[1])
 return 1
 """
+ACQUIRE = """
+local cur = redis.call('GET', KEYS[1])
+if cur then
+  local holder, epoch = string.match(cur, '^(.*):(%d+)$')
+  if holder == ARGV[1] then
+    redis.call('PEXPIRE', KEYS[1], ARGV[2])
+    return tonumber(epoch)
+  end
+  return -1
+end
+local epoch = redis.call('INCR', KEYS[2])
+redis.call('SET', KEYS[1], ARGV[1] .. ':' .. epoch, 'NX', 'PX', ARGV[2])
+return epoch
+"""
+
+RELEASE = """
+local cur = redis.call('GET', KEYS[1])
+if cur and cur == ARGV[1] .. ':' .. ARGV[2] then
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+return 0
+"""
+
+WRITE_FENCED = """
+if tonumber(redis.call('GET', KEYS[1]) or '0') ~= tonumber(ARGV[1]) then return -1 end
+local version = redis.call('HINCRBY', KEYS[2], 'version', 1)
+redis.call('HSET', KEYS[2], 'epoch', ARGV[1], 'payload', ARGV[2])
+return version
+"""
+
 #: Fields of one table at most (for the ``HINCRBY`` sums to stay exact: values below 2**53).
 MAX_FIELDS = 1 << 20
 
@@ -180,6 +222,9 @@ class RedisStore:
         self._errors = (redis.exceptions.RedisError, OSError)
         self._sync = client.register_script(SYNC)
         self._reap = client.register_script(REAP)
+        self._acquire = client.register_script(ACQUIRE)
+        self._release = client.register_script(RELEASE)
+        self._write_fenced = client.register_script(WRITE_FENCED)
 
     def _key(self, table: str, part: str) -> str:
         return f"lbkit:{{{self.namespace}}}:{table}:{part}"
@@ -227,6 +272,60 @@ class RedisStore:
         except self._errors as exc:
             raise StoreError(f"{type(exc).__name__}: {exc}") from exc
         return tuple(out)
+
+    # ------------------------------------------------------------------ leader
+    def _lease_keys(self, name: str) -> list[str]:
+        if not isinstance(name, str) or not name or any(c in name for c in "{}:"):
+            raise ValueError(
+                f"name: must be a non-empty str without '{{', '}}' or ':', got {name!r}"
+            )
+        return [f"lbkit:{{{self.namespace}}}:lease:{name}",
+                f"lbkit:{{{self.namespace}}}:epoch:{name}",
+                f"lbkit:{{{self.namespace}}}:fenced:{name}"]  # fmt: skip
+
+    def acquire_lease(self, name: str, replica_id: str, *, ttl_s: float) -> int:
+        """Take or renew the lease ``name`` for ``ttl_s`` seconds; its fencing epoch, or -1
+        when another replica holds it.
+
+        A new grant takes a new epoch (1, 2, ...); a renewal by the holder keeps it.
+        """
+        keys = self._lease_keys(name)
+        ttl_ms = max(1, round(check_real(ttl_s, "ttl_s", min_value=0.0, strict_min=True) * 1000))
+        if not isinstance(replica_id, str) or not replica_id or ":" in replica_id:
+            raise ValueError(f"replica_id: must be a non-empty str without ':', got {replica_id!r}")
+        try:
+            return int(self._acquire(keys=keys[:2], args=[replica_id, ttl_ms]))
+        except self._errors as exc:
+            raise StoreError(f"{type(exc).__name__}: {exc}") from exc
+
+    def release_lease(self, name: str, replica_id: str, epoch: int) -> bool:
+        """Give up the lease if ``replica_id`` holds it under ``epoch``; whether it did."""
+        keys = self._lease_keys(name)
+        try:
+            return bool(self._release(keys=keys[:1], args=[replica_id, int(epoch)]))
+        except self._errors as exc:
+            raise StoreError(f"{type(exc).__name__}: {exc}") from exc
+
+    def write_fenced(self, name: str, epoch: int, payload: str) -> int:
+        """Store ``payload`` under lease ``name`` if ``epoch`` is the latest granted; the new
+        version (1, 2, ...), or -1 for a refused write (a newer leader exists)."""
+        keys = self._lease_keys(name)
+        try:
+            return int(self._write_fenced(keys=[keys[1], keys[2]], args=[int(epoch), payload]))
+        except self._errors as exc:
+            raise StoreError(f"{type(exc).__name__}: {exc}") from exc
+
+    def read_fenced(self, name: str) -> tuple[int, int, str] | None:
+        """``(epoch, version, payload)`` of the last fenced write under ``name`` (``None``:
+        none yet)."""
+        keys = self._lease_keys(name)
+        try:
+            got = self._client.hmget(keys[2], ["epoch", "version", "payload"])
+        except self._errors as exc:
+            raise StoreError(f"{type(exc).__name__}: {exc}") from exc
+        if got[0] is None:
+            return None
+        return int(got[0]), int(got[1]), got[2].decode()
 
     # ------------------------------------------------------------------ inspection
     def totals(self, key: str, size: int) -> np.ndarray:
