@@ -324,3 +324,25 @@ def test_a_killed_replica_is_reaped_and_a_paused_one_comes_back_whole(redis_serv
     contrib = store.contributions("decode", n)
     assert sorted(contrib) == ["alive", "paused"]
     store.clear()
+
+
+def test_a_replica_restarted_from_its_state_publishes_its_ledger(own_server):
+    store = _store(own_server, "restart")
+    dec = DecodeBalancer(4, store=store, replica_id="a")
+    pre = PrefillBalancer(2, 2, cost=COST, store=store, replica_id="a")
+    for i in range(5):
+        dec.admit(i, 100 * i)
+        pre.route(i, 1000 * (i + 1), now_s=0.0)
+    dec_state, pre_state = json.dumps(dec.state_dict()), json.dumps(pre.state_dict())
+    own_server.stop()  # the server restarts empty, the replica restarts from its state
+    own_server.start()
+    dec2 = DecodeBalancer.from_state_dict(json.loads(dec_state), store=store, replica_id="a")
+    pre2 = PrefillBalancer.from_state_dict(json.loads(pre_state), store=store, replica_id="a")
+    assert store.totals("decode", 8).tolist() == [*dec2.num_requests(), *dec2.kv_tokens()]
+    ptot = store.totals("prefill", 12).reshape(3, -1)
+    assert ptot[1].tolist() == np.rint(pre2.rank_loads() * 1e9).astype(np.int64).tolist()
+    alone = DecodeBalancer.from_state_dict(json.loads(dec_state))
+    assert [dec2.admit(j, 10 * j) for j in range(10, 14)] == [
+        alone.admit(j, 10 * j) for j in range(10, 14)
+    ]
+    assert dec2.statistics().store_fallbacks == 0

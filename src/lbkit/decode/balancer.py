@@ -353,10 +353,14 @@ class DecodeBalancer:
         self._counts = dict.fromkeys(_COUNTERS, 0)
         self._placed = tuple(Decision(r, PLACED) for r in range(n))  # no allocation per call
         self._grow(64)
-        self._link = None
+        self._link: ReplicaLink | None = None
         if rid is not None:
-            self._link = ReplicaLink(store, rid, key="decode", num_ranks=n, columns=2)
-            self._push()
+            self._attach(store, rid)
+
+    def _attach(self, store: Any, replica_id: str) -> None:
+        """Join ``store`` as ``replica_id``: publish the whole ledger."""
+        self._link = ReplicaLink(store, replica_id, key="decode", num_ranks=self._n, columns=2)
+        self._push()
 
     # ------------------------------------------------------------------ properties
     @property
@@ -1085,14 +1089,20 @@ class DecodeBalancer:
         }
 
     @classmethod
-    def from_state_dict(cls, state: Mapping[str, Any]) -> DecodeBalancer:
+    def from_state_dict(
+        cls, state: Mapping[str, Any], *, store: Store | None = None, replica_id: str | None = None
+    ) -> DecodeBalancer:
         """Rebuild a balancer from :meth:`state_dict` output (e.g. after ``json.loads``).
+
+        With ``store`` and ``replica_id`` (not saved in a state) the rebuilt balancer is that
+        replica again: it publishes its whole ledger before it returns.
 
         Raises
         ------
         ValueError
             Unknown version or an inconsistent state.
         """
+        me = replica_id_iv(store, replica_id)
         if not isinstance(state, Mapping) or state.get("version") != _STATE_VERSION:
             raise ValueError(f"state: expected a state_dict of version {_STATE_VERSION}")
         try:
@@ -1134,4 +1144,6 @@ class DecodeBalancer:
             bal._check()
         except (KeyError, TypeError, IndexError, AssertionError) as exc:
             raise ValueError(f"state: inconsistent state_dict ({exc})") from None
+        if me is not None:
+            bal._attach(store, me)
         return bal

@@ -233,11 +233,15 @@ class PrefillBalancer:
         self._drift_last = 0.0
         self._drift_max = 0.0
         self._rebuild()
-        self._link = None
+        self._link: ReplicaLink | None = None
         if rid is not None:
-            n = e * self._ranks
-            self._link = ReplicaLink(store, rid, key="prefill", num_ranks=n, columns=3)
-            self._push()
+            self._attach(store, rid)
+
+    def _attach(self, store: Any, replica_id: str) -> None:
+        """Join ``store`` as ``replica_id``: publish the whole ledger."""
+        n = self.num_ranks
+        self._link = ReplicaLink(store, replica_id, key="prefill", num_ranks=n, columns=3)
+        self._push()
 
     # ------------------------------------------------------------------ properties
     @property
@@ -920,8 +924,13 @@ class PrefillBalancer:
         }
 
     @classmethod
-    def from_state_dict(cls, state: Mapping[str, Any]) -> PrefillBalancer:
+    def from_state_dict(
+        cls, state: Mapping[str, Any], *, store: Store | None = None, replica_id: str | None = None
+    ) -> PrefillBalancer:
         """Rebuild a balancer from :meth:`state_dict` output (e.g. after ``json.loads``).
+
+        With ``store`` and ``replica_id`` (not saved in a state) the rebuilt balancer is that
+        replica again: it publishes its whole ledger before it returns.
 
         Reads states of version 2 and 1 (flat keyword options).
 
@@ -931,6 +940,7 @@ class PrefillBalancer:
             Unknown version, or a field out of its rules or inconsistent with the others,
             named (:func:`lbkit.prefill.persistence.read_state`).
         """
+        me = replica_id_iv(store, replica_id)
         e, r, cost, choice, buckets, rounds = read_config(state)
         nb = buckets.num_buckets
         led = Ledger(e, r, cost)
@@ -969,4 +979,6 @@ class PrefillBalancer:
             bal._rng.bit_generator.state = s["rng"]
         except (TypeError, ValueError, KeyError) as exc:
             raise ValueError(f"state.rng: not a numpy bit generator state ({exc})") from None
+        if me is not None:
+            bal._attach(store, me)
         return bal
