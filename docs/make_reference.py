@@ -21,6 +21,7 @@ PACKAGES = (
     "lbkit.decode",
     "lbkit.eplb",
     "lbkit.sim",
+    "lbkit.replicas",
     "lbkit.integrations.vllm",
     "lbkit.integrations.sglang",
 )

@@ -1,10 +1,10 @@
 """The import layering of lbkit, enforced.
 
 ``lbkit.core`` <- ``lbkit.prefill`` / ``lbkit.decode`` / ``lbkit.eplb`` (siblings never import
-each other) <- ``lbkit.sim``, ``lbkit.integrations`` (engine adapters) <- ``lbkit.cli``.
-``_reference`` modules (exact solvers) are imported only by tests, benchmarks and the
-command-line tool. Heavy optional dependencies (and the serving engines) are never imported by
-the light subpackages.
+each other) <- ``lbkit.sim``, ``lbkit.replicas``, ``lbkit.integrations`` (engine adapters) <-
+``lbkit.cli``. ``_reference`` modules (exact solvers) are imported only by tests, benchmarks and
+the command-line tool. Heavy optional dependencies (and the serving engines) are never imported
+by the light subpackages.
 """
 
 from __future__ import annotations
@@ -18,7 +18,10 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "lbkit"
 
-LAYER = {"core": 0, "prefill": 1, "decode": 1, "eplb": 1, "sim": 2, "integrations": 2, "cli": 3}
+LAYER = {
+    "core": 0, "prefill": 1, "decode": 1, "eplb": 1, "sim": 2, "replicas": 2, "integrations": 2,
+    "cli": 3,
+}  # fmt: skip
 
 
 def _package_of(module: str) -> str | None:
@@ -86,7 +89,7 @@ def test_light_imports_do_not_pull_heavy_dependencies():
         "        __import__(name)\n"
         "    except ModuleNotFoundError:\n"
         "        pass\n"
-        "heavy = ('ortools', 'matplotlib', 'torch', 'hypothesis', 'vllm', 'sglang')\n"
+        "heavy = ('ortools', 'matplotlib', 'torch', 'hypothesis', 'redis', 'vllm', 'sglang')\n"
         "heavy = sorted(m for m in heavy if m in sys.modules)\n"
         "print(','.join(heavy))\n"
     )

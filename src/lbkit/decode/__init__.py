@@ -12,7 +12,8 @@ count ``B`` and its KV tokens ``S``. Pure decision functions (numpy in, NamedTup
 
 :class:`DecodeBalancer` (``balancer.py``) embeds them in a router: admission with capacities,
 KV growth, release, ranks out of service, engine-report reconciliation, look-ahead, migration
-(``rebalance``: by default room for a refused request and one balance move), persistence.
+(``rebalance``: by default room for a refused request and one balance move), persistence, and
+the load of other router replicas (``set_foreign_load``, :mod:`lbkit.decode.foreign`).
 Reason codes of every decision are documented in :mod:`lbkit.decode.reasons`.
 """
 
@@ -25,6 +26,7 @@ from lbkit.decode.balancer import (
     RequestInfo,
 )
 from lbkit.decode.batch import ORDERS, BatchAssignment, assign_batch, batch_bound
+from lbkit.decode.foreign import ForeignLoad
 from lbkit.decode.migration import (
     Migrations,
     Room,
@@ -45,6 +47,7 @@ __all__ = [
     "Decision",
     "DecodeBalancer",
     "DecodeStatistics",
+    "ForeignLoad",
     "Migration",
     "Migrations",
     "RemovedRequests",

@@ -12,6 +12,7 @@ the policy kernel of :mod:`lbkit.decode.policies`:
 - **drain_rank / remove_rank / restore_rank** take a rank out of service (draining: no new work;
   removed: its requests are handed back to the caller, none lost) and back;
 - **report** reconciles the ledger with an engine's per-rank load report (see below);
+- **set_foreign_load** adds the load other routers placed on the ranks (see below);
 - **statistics / _check / state_dict / from_state_dict**.
 
 Capacities bound admission only: KV growth in :meth:`DecodeBalancer.step` may take a rank past
@@ -30,6 +31,20 @@ number is not newer than the rank's last accepted one is stale and ignored. Othe
   request's KV is scaled, ``kv_i <- floor(kv_i * R / S)`` (``R // B`` each when ``S == 0``), and
   the remaining tokens go one each to the oldest requests. The sum is then exactly ``R``, no
   request goes negative, and later releases free what the engine actually holds.
+
+Foreign load
+------------
+Router replicas in front of one engine each admit their own requests. The load the others
+placed, per rank (requests and KV tokens, :meth:`DecodeBalancer.set_foreign_load`, fed by any
+transport: :class:`lbkit.replicas.RedisStore` or the caller's own), counts in every score and
+capacity check but in no request of the ledger (:mod:`lbkit.decode.foreign`): ``step`` grows
+only the own requests, ``finish`` releases only them, and migrations move only them (towards
+balance of the totals). Reports are of the whole engine: drift is reported minus (ledger plus
+foreign load), and a KV correction sets the own requests' KV to the reported KV minus the
+foreign KV (none when that is negative). :meth:`DecodeBalancer.num_requests` and
+:meth:`DecodeBalancer.kv_tokens` are the ledger's; the balance figures of
+:meth:`DecodeBalancer.statistics` are of the totals, what the engine runs. With no foreign load
+(the default) nothing differs from a balancer without it.
 
 Look-ahead
 ----------
@@ -60,9 +75,11 @@ from lbkit.core.engines import DRAINING as _DRAINING
 from lbkit.core.engines import OUT as _OUT
 from lbkit.core.engines import STATE_NAMES as _STATE_NAMES
 from lbkit.core.metrics import max_over_mean
+from lbkit.core.replica import ReplicaLink, Store, replica_id_iv
 from lbkit.core.validation import as_int_array, as_rng, check_choice, check_int, to_numpy
 from lbkit.decode import _kernels as K
 from lbkit.decode._state import DEFAULT_COST, capacity_iv, params
+from lbkit.decode.foreign import ForeignLoad, foreign_iv
 from lbkit.decode.migration import MIGRATION_SOURCES, ROOM_MAX_MOVES, _plan_on, _room_on
 from lbkit.decode.policies import DEFAULT_POLICY, POLICIES, POLICY_CODES, Decision
 from lbkit.decode.reasons import BATCH_FULL, FULL, KV_FULL, PLACED, REASONS
@@ -127,11 +144,13 @@ class RequestInfo(NamedTuple):
 class DecodeStatistics:
     """Snapshot of a :class:`DecodeBalancer` (plain tuples and numbers; safe to keep).
 
-    Per rank: ``num_requests``, ``kv_tokens``, ``rank_state`` (``"active"``, ``"draining"``,
-    ``"out"``). Balance over ranks in service (active or draining): ``count_imbalance`` and
+    Per rank: ``num_requests``, ``kv_tokens`` (the ledger's), ``foreign_requests``,
+    ``foreign_kv_tokens`` (other routers' load, :meth:`DecodeBalancer.set_foreign_load`),
+    ``rank_state`` (``"active"``, ``"draining"``, ``"out"``). Balance of the totals (ledger
+    plus foreign load) over ranks in service (active or draining): ``count_imbalance`` and
     ``kv_imbalance`` (max/mean, 1.0 when idle) and ``step_time_s`` (the modelled engine step
     under ``cost``, ``DecodeCost.engine_step_s``: slowest rank plus the shared expert cost).
-    ``over_capacity``: ranks whose KV grew past ``max_kv_tokens``.
+    ``over_capacity``: ranks whose total KV grew past ``max_kv_tokens``.
     Counters: ``running``, ``admitted``, ``refused`` (with ``refused_by_reason``), ``finished``,
     ``aborted``, ``handed_back``, ``steps``; reports ``reports_accepted``, ``reports_stale``,
     ``reports_corrected``; drift (reported minus ledger) of the last accepted report
@@ -139,7 +158,9 @@ class DecodeStatistics:
     (``drift_requests_max``, ``drift_kv_tokens_max``) and the summed absolute KV drift
     (``drift_kv_tokens_total``); ``migrated`` (every move) and ``migrated_for_room`` (those
     :meth:`DecodeBalancer.rebalance` made to free a rank for a refused request; they come first
-    in its result and do not count against ``max_moves``).
+    in its result and do not count against ``max_moves``). With a store: ``store_views`` (good
+    store calls), ``store_fallbacks`` (decisions on the fallback estimate), ``store_errors``
+    (failed calls) and ``store_reconnects`` (whole publishes after a failure or a lost store).
     """
 
     num_requests: tuple[int, ...]
@@ -167,6 +188,12 @@ class DecodeStatistics:
     drift_kv_tokens_total: int
     migrated: int
     migrated_for_room: int
+    foreign_requests: tuple[int, ...] = ()
+    foreign_kv_tokens: tuple[int, ...] = ()
+    store_views: int = 0
+    store_fallbacks: int = 0
+    store_errors: int = 0
+    store_reconnects: int = 0
 
 
 class Migration(NamedTuple):
@@ -226,6 +253,11 @@ class DecodeBalancer:
         before every admission), or every request (``O(requests * ranks)``).
     rng : numpy Generator, int seed or None
         Randomness of the ``"random"`` policy (``None`` means seed 0).
+    store : Store, optional
+        A load store shared by the router replicas of this engine (e.g.
+        :class:`lbkit.replicas.RedisStore`); ``None`` (default): this balancer is alone.
+    replica_id : str, optional
+        This replica's name in ``store`` (required with it; unique among the replicas).
 
     Notes
     -----
@@ -235,6 +267,14 @@ class DecodeBalancer:
     that lowers the balance objective. The earlier defaults are explicit arguments:
     ``policy="sum_of_squares", max_migrations=0, make_room=False`` admits only, and
     ``make_room=False, migration_sources="all"`` makes ``rebalance(k)`` the earlier global plan.
+
+    With ``store``, the caller's code stays the same: :meth:`admit` and :meth:`rebalance` first
+    view the store (the foreign load is the store's totals minus this replica's contribution,
+    :meth:`set_foreign_load`), and every change of the ledger (admission, finish, abort, step,
+    corrected report, migration, removed rank) publishes the replica's per-rank load. An
+    admission costs two store calls. When the store does not answer within its budget the
+    decision runs on an estimate and ``statistics().store_fallbacks`` counts it
+    (:mod:`lbkit.core.replica`).
 
     Examples
     --------
@@ -272,8 +312,11 @@ class DecodeBalancer:
         make_room: bool = True,
         migration_sources: str = "heaviest",
         rng: np.random.Generator | int | None = None,
+        store: Store | None = None,
+        replica_id: str | None = None,
     ) -> None:
         n = check_int(num_ranks, "num_ranks", min_value=1)
+        rid = replica_id_iv(store, replica_id)
         self._max_moves = check_int(max_migrations, "max_migrations", min_value=0)
         if not isinstance(make_room, (bool, np.bool_)):
             raise TypeError(f"make_room: must be a bool, got {type(make_room).__name__}")
@@ -302,12 +345,22 @@ class DecodeBalancer:
         self._ids: dict[Hashable, int] = {}
         self._state = np.zeros(n, dtype=np.int8)
         self._seq = np.full(n, -1, dtype=np.int64)
+        self._fb = np.zeros(n, dtype=np.int64)  # foreign requests per rank
+        self._fs = np.zeros(n, dtype=np.int64)  # foreign KV tokens per rank
         self._cursor = 0
         self._order = 0
         self._refused = [0] * len(REASONS)
         self._counts = dict.fromkeys(_COUNTERS, 0)
         self._placed = tuple(Decision(r, PLACED) for r in range(n))  # no allocation per call
         self._grow(64)
+        self._link: ReplicaLink | None = None
+        if rid is not None:
+            self._attach(store, rid)
+
+    def _attach(self, store: Any, replica_id: str) -> None:
+        """Join ``store`` as ``replica_id``: publish the whole ledger."""
+        self._link = ReplicaLink(store, replica_id, key="decode", num_ranks=self._n, columns=2)
+        self._push()
 
     # ------------------------------------------------------------------ properties
     @property
@@ -321,12 +374,79 @@ class DecodeBalancer:
         return self._policy
 
     def num_requests(self) -> np.ndarray:
-        """Requests per rank, shape (num_ranks,), int64 (a copy)."""
-        return self._X[K.ROW_B].astype(np.int64)
+        """Requests of the ledger per rank, shape (num_ranks,), int64 (a copy; without the
+        foreign load)."""
+        return self._X[K.ROW_B].astype(np.int64) - self._fb
 
     def kv_tokens(self) -> np.ndarray:
-        """KV tokens per rank, shape (num_ranks,), int64 (a copy)."""
-        return self._X[K.ROW_S].astype(np.int64)
+        """KV tokens of the ledger per rank, shape (num_ranks,), int64 (a copy; without the
+        foreign load)."""
+        return self._X[K.ROW_S].astype(np.int64) - self._fs
+
+    def foreign_load(self) -> ForeignLoad:
+        """The foreign load in force (copies; zeros until :meth:`set_foreign_load`)."""
+        return ForeignLoad(self._fb.copy(), self._fs.copy())
+
+    def set_foreign_load(self, *, num_requests: Any, kv_tokens: Any) -> None:
+        """Set the load that other routers placed on the ranks (replacing the previous one).
+
+        It counts in every later decision's scores and capacities, and in
+        :meth:`statistics`' balance figures, but in no request of the ledger (module
+        documentation, *Foreign load*).
+
+        Parameters
+        ----------
+        num_requests : array_like of int, shape (num_ranks,)
+            Requests of other routers per rank (>= 0).
+        kv_tokens : array_like of int, shape (num_ranks,)
+            KV tokens they hold per rank (>= 0).
+
+        Raises
+        ------
+        ValueError, TypeError
+            A wrong shape, negative or non-integer values (nothing changes).
+
+        Runtime complexity: O(ranks).
+
+        Examples
+        --------
+        >>> bal = DecodeBalancer(2)
+        >>> bal.set_foreign_load(num_requests=[3, 0], kv_tokens=[3000, 0])
+        >>> bal.admit("a", 100)
+        Decision(rank=1, reason='placed')
+        >>> bal.num_requests().tolist(), bal.statistics().foreign_requests
+        ([0, 1], (3, 0))
+        """
+        new = foreign_iv(num_requests, kv_tokens, self._n, _MAX_TOKENS)
+        self._set_foreign(new.num_requests, new.kv_tokens)
+
+    def _set_foreign(self, fb: np.ndarray, fs: np.ndarray) -> None:
+        db = (fb - self._fb).astype(np.float64)
+        ds = (fs - self._fs).astype(np.float64)
+        X = self._X
+        X[K.ROW_B] += db
+        X[K.ROW_S] += ds
+        if self._h:
+            X[K.ROW_PB] += db
+            X[K.ROW_PS] += ds + self._h * db
+        self._fb, self._fs = fb, fs
+
+    # ------------------------------------------------------------------ store
+    def _own(self) -> np.ndarray:
+        own = self._X[K.ROW_B : K.ROW_S + 1].astype(np.int64)
+        own[0] -= self._fb
+        own[1] -= self._fs
+        return own
+
+    def _pull(self) -> None:
+        """View the store before a decision: its foreign load replaces ours."""
+        f = self._link.view(self._own())
+        self._set_foreign(np.minimum(f[0], _MAX_TOKENS), np.minimum(f[1], _MAX_TOKENS))
+
+    def _push(self) -> None:
+        """Publish the ledger's per-rank load after a change."""
+        if self._link is not None:
+            self._link.publish(self._own())
 
     def __len__(self) -> int:
         return len(self._ids)
@@ -378,10 +498,10 @@ class DecodeBalancer:
         idx = np.flatnonzero(used)
         keep = idx[self._projected(idx)]
         ranks = self._slots[_RANK, keep]
-        self._X[K.ROW_PB] = np.bincount(ranks, minlength=self._n)
+        self._X[K.ROW_PB] = np.bincount(ranks, minlength=self._n) + self._fb
         self._X[K.ROW_PS] = np.bincount(
             ranks, weights=(self._slots[_KV, keep] + self._h).astype(np.float64), minlength=self._n
-        )
+        ) + (self._fs + self._h * self._fb)
 
     def _release(self, slot: int) -> int:
         s = self._slots
@@ -445,6 +565,8 @@ class DecodeBalancer:
             expect = -1
         else:
             expect = check_int(expected_output_tokens, "expected_output_tokens", min_value=0)
+        if self._link is not None:
+            self._pull()
         free = self._free
         if not free:
             self._grow(self._slots.shape[1])
@@ -475,18 +597,22 @@ class DecodeBalancer:
         self._rid_of[slot] = request_id
         self._order += 1
         self._cursor = r + 1 if r + 1 < self._n else 0
+        if self._link is not None:
+            self._push()
         return self._placed[r]
 
     def finish(self, request_id: Hashable) -> int:
         """Release a finished request; returns the rank it ran on. ``KeyError`` if unknown."""
         r = self._release(self._slot_of(request_id))
         self._counts["finished"] += 1
+        self._push()
         return r
 
     def abort(self, request_id: Hashable) -> int:
         """Release an aborted request; returns its rank. ``KeyError`` if unknown."""
         r = self._release(self._slot_of(request_id))
         self._counts["aborted"] += 1
+        self._push()
         return r
 
     # ------------------------------------------------------------------ progress
@@ -546,9 +672,10 @@ class DecodeBalancer:
             grow = inc[self._slots[_RANK]]
             self._slots[_KV] += grow
             self._slots[_GEN] += grow
-            self._X[K.ROW_S] += inc[:n] * self._X[K.ROW_B]
+            self._X[K.ROW_S] += inc[:n] * (self._X[K.ROW_B] - self._fb)  # own requests grow
         self._reproject()
         self._counts["steps"] += 1
+        self._push()
 
     # ------------------------------------------------------------------ migration
     def migrate(self, request_id: Hashable, rank: int) -> int:
@@ -583,6 +710,7 @@ class DecodeBalancer:
                 f"{int(X[K.ROW_CAP_S, rank])})"
             )
         self._move(slot, rank)
+        self._push()
         return a
 
     def _move(self, slot: int, rank: int) -> None:
@@ -668,6 +796,8 @@ class DecodeBalancer:
         used = np.flatnonzero(self._slots[_RANK] < self._n)
         if not len(used):
             return ()
+        if self._link is not None:
+            self._pull()
         out: list[Migration] = []
         reserved = -1
         released = self._counts["finished"] + self._counts["aborted"] + self._counts["handed_back"]
@@ -696,6 +826,8 @@ class DecodeBalancer:
             )  # fmt: skip
             for i, dst in zip(plan.request.tolist(), plan.target.tolist(), strict=True):
                 out.append(self._moved(int(used[i]), dst))
+        if out:
+            self._push()
         return tuple(out)
 
     def _moved(self, slot: int, rank: int) -> Migration:
@@ -735,6 +867,7 @@ class DecodeBalancer:
         self._state[rank] = _OUT
         self._X[K.ROW_OK, rank] = 0.0
         self._counts["handed_back"] += len(ids)
+        self._push()
         return RemovedRequests(ids, kv)
 
     def restore_rank(self, rank: int) -> None:
@@ -751,7 +884,9 @@ class DecodeBalancer:
 
         See the module documentation for the rule: stale reports (``seq`` not newer than the
         last accepted) are ignored; drift is always measured; KV is corrected only when the
-        request counts agree.
+        request counts agree. The report is of the whole rank: with a foreign load, drift is
+        against the ledger plus the foreign load, and a correction gives the own requests the
+        reported KV minus the foreign KV.
 
         Raises
         ------
@@ -769,6 +904,7 @@ class DecodeBalancer:
             c["reports_stale"] += 1
             return ReportResult(False, False, 0, 0)
         self._seq[rank] = seq
+        fb, fs = int(self._fb[rank]), int(self._fs[rank])
         have_b = int(self._X[K.ROW_B, rank])
         have_s = int(self._X[K.ROW_S, rank])
         db, ds = got_b - have_b, got_s - have_s
@@ -778,8 +914,12 @@ class DecodeBalancer:
         c["drift_requests_max"] = max(c["drift_requests_max"], abs(db))
         c["drift_kv_tokens_max"] = max(c["drift_kv_tokens_max"], abs(ds))
         c["drift_kv_tokens_total"] += abs(ds)
-        if db != 0 or have_b == 0 or ds == 0:
+        if db != 0 or have_b == fb or ds == 0 or got_s < fs:
             return ReportResult(True, False, db, ds)
+        # the own requests' part: the ledger's and the reported KV less the foreign KV
+        have_b -= fb
+        have_s -= fs
+        got_s -= fs
         idx = self._slots_on(rank)
         old = self._slots[_KV, idx].tolist()
         if have_s > 0:
@@ -789,22 +929,25 @@ class DecodeBalancer:
         for i in range(got_s - sum(new)):  # fewer than have_b tokens: oldest first
             new[i] += 1
         self._slots[_KV, idx] = new
-        self._X[K.ROW_S, rank] = got_s
+        self._X[K.ROW_S, rank] = got_s + fs
         self._reproject()
         c["reports_corrected"] += 1
+        self._push()
         return ReportResult(True, True, db, ds)
 
     # ------------------------------------------------------------------ introspection
     def statistics(self) -> DecodeStatistics:
         """A snapshot of per-rank load, balance and counters (see :class:`DecodeStatistics`)."""
-        b = self.num_requests()
-        s = self.kv_tokens()
+        tb = self._X[K.ROW_B].astype(np.int64)
+        ts = self._X[K.ROW_S].astype(np.int64)
+        b = tb - self._fb
+        s = ts - self._fs
         live = self._state != _OUT
         c = self._counts
         if live.any():
-            count_imb = float(max_over_mean(b[live].astype(np.float64)))
-            kv_imb = float(max_over_mean(s[live].astype(np.float64)))
-            step = self._cost.engine_step_s(b[live], s[live])
+            count_imb = float(max_over_mean(tb[live].astype(np.float64)))
+            kv_imb = float(max_over_mean(ts[live].astype(np.float64)))
+            step = self._cost.engine_step_s(tb[live], ts[live])
         else:
             count_imb = kv_imb = 1.0
             step = 0.0
@@ -836,7 +979,21 @@ class DecodeBalancer:
             drift_kv_tokens_total=c["drift_kv_tokens_total"],
             migrated=c["migrated"],
             migrated_for_room=c["migrated_for_room"],
+            foreign_requests=tuple(self._fb.tolist()),
+            foreign_kv_tokens=tuple(self._fs.tolist()),
+            **self._store_counts(),
         )
+
+    def _store_counts(self) -> dict[str, int]:
+        if self._link is None:
+            return {}
+        c = self._link.counts
+        return {
+            "store_views": c["views"],
+            "store_fallbacks": c["fallbacks"],
+            "store_errors": c["errors"],
+            "store_reconnects": c["reconnects"] + c["rebuilds"],
+        }
 
     def _check(self) -> None:
         """Assert every internal invariant (for tests; O(ranks + requests))."""
@@ -860,10 +1017,14 @@ class DecodeBalancer:
         ranks = s[_RANK, used]
         want_b = np.bincount(ranks, minlength=n)
         want_s = np.bincount(ranks, weights=s[_KV, used].astype(np.float64), minlength=n)
+        assert (self._fb >= 0).all() and (self._fs >= 0).all(), "negative foreign load"
+        want_b = want_b + self._fb
+        want_s = want_s + self._fs
         assert (X[K.ROW_B] == want_b).all(), f"request counts {X[K.ROW_B]} != {want_b}"
         assert (X[K.ROW_S] == want_s).all(), f"KV sums {X[K.ROW_S]} != {want_s}"
         assert (X[K.ROW_OK] == (self._state == _ACTIVE)).all(), "eligibility is stale"
-        assert not (want_b[self._state == _OUT]).any(), "a rank out of service holds requests"
+        own_b = want_b - self._fb
+        assert not (own_b[self._state == _OUT]).any(), "a rank out of service holds requests"
         if self._h:
             pb, ps = X[K.ROW_PB].copy(), X[K.ROW_PS].copy()
             self._reproject()
@@ -923,18 +1084,25 @@ class DecodeBalancer:
                 "counts": dict(self._counts),
                 "rng": self._rng.bit_generator.state,
                 "room": None if self._room is None else list(self._room),
+                "foreign": [self._fb.tolist(), self._fs.tolist()],
             },
         }
 
     @classmethod
-    def from_state_dict(cls, state: Mapping[str, Any]) -> DecodeBalancer:
+    def from_state_dict(
+        cls, state: Mapping[str, Any], *, store: Store | None = None, replica_id: str | None = None
+    ) -> DecodeBalancer:
         """Rebuild a balancer from :meth:`state_dict` output (e.g. after ``json.loads``).
+
+        With ``store`` and ``replica_id`` (not saved in a state) the rebuilt balancer is that
+        replica again: it publishes its whole ledger before it returns.
 
         Raises
         ------
         ValueError
             Unknown version or an inconsistent state.
         """
+        me = replica_id_iv(store, replica_id)
         if not isinstance(state, Mapping) or state.get("version") != _STATE_VERSION:
             raise ValueError(f"state: expected a state_dict of version {_STATE_VERSION}")
         try:
@@ -970,7 +1138,12 @@ class DecodeBalancer:
             bal._rng.bit_generator.state = s["rng"]
             room = s.get("room")
             bal._room = None if room is None else (_request_id(room[0]), int(room[1]))
+            foreign = s.get("foreign")
+            if foreign is not None:
+                bal.set_foreign_load(num_requests=foreign[0], kv_tokens=foreign[1])
             bal._check()
         except (KeyError, TypeError, IndexError, AssertionError) as exc:
             raise ValueError(f"state: inconsistent state_dict ({exc})") from None
+        if me is not None:
+            bal._attach(store, me)
         return bal

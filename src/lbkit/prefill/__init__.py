@@ -17,7 +17,8 @@ option objects (``options.py``): :class:`RankChoice` (the rank-choice rule), :cl
 ``results.py`` (what its methods return), ``persistence.py`` (saved states) and ``legacy.py``
 (the old keyword options). :class:`PrefixIndex` (``prefix_index.py``) gives it the cached prefix
 tokens of a request on every rank, fed by the engines' KV-cache events or by the router's own
-admissions.
+admissions. ``foreign.py`` holds the load other router replicas queued on the ranks
+(:meth:`PrefillBalancer.set_foreign_load`).
 """
 
 from lbkit.prefill.apportion import (
@@ -31,6 +32,7 @@ from lbkit.prefill.apportion import (
 from lbkit.prefill.balancer import PrefillBalancer
 from lbkit.prefill.buckets import DEFAULT_EDGES, bucket_of
 from lbkit.prefill.chunking import ChunkPlan, plan_chunks
+from lbkit.prefill.foreign import ForeignLoad
 from lbkit.prefill.hysteresis import Move, Rebalance, rebalance
 from lbkit.prefill.lockstep import lockstep_rank
 from lbkit.prefill.options import RANK_RULES, Buckets, RankChoice, Rounds
@@ -62,6 +64,7 @@ __all__ = [
     "Buckets",
     "ChunkPlan",
     "EnginePlan",
+    "ForeignLoad",
     "Move",
     "PrefillBalancer",
     "PrefillStatistics",

@@ -17,6 +17,8 @@ The class is a façade over the modules of this package; a newcomer can read it 
   and returned, none lost) and back; engine states are :mod:`lbkit.core.engines`';
 - **report** ingests engine-reported progress by sequence number (stale reports are ignored) and
   measures how far the ledger had drifted;
+- **set_foreign_load** adds the load other routers queued on the ranks (router replicas in
+  front of one pool; :mod:`~lbkit.prefill.foreign`): it counts in every decision, in no request;
 - **plan_engine** runs :func:`plan_chunks` on each rank's FIFO queue;
 - **statistics / _check / state_dict / from_state_dict** (:mod:`~lbkit.prefill.results`,
   :mod:`~lbkit.prefill.persistence`).
@@ -49,11 +51,13 @@ import numpy as np
 
 from lbkit.core.cost import QuadraticCost
 from lbkit.core.engines import ACTIVE, DRAINING, OUT, STATE_NAMES
+from lbkit.core.replica import ReplicaLink, Store, replica_id_iv
 from lbkit.core.validation import as_int_array, as_rng, check_int
 from lbkit.prefill._kernels import int_bounds
 from lbkit.prefill.apportion import allocate_engines, serving_buckets
 from lbkit.prefill.choice import RankChooser, layout
 from lbkit.prefill.chunking import ChunkPlan, plan_chunks
+from lbkit.prefill.foreign import ForeignLoad, foreign_iv
 from lbkit.prefill.ledger import Ledger, Request, as_request_id, as_time, as_tokens
 from lbkit.prefill.legacy import from_keywords
 from lbkit.prefill.options import Buckets, RankChoice, Rounds
@@ -74,6 +78,9 @@ from lbkit.prefill.results import (
 from lbkit.prefill.rounds import replan, smoothed_demand
 
 __all__ = ["PrefillBalancer"]
+
+#: Units of the quota and work a store holds (integers): nanoseconds.
+STORE_NS = 1e9
 
 
 class PrefillBalancer:
@@ -99,6 +106,16 @@ class PrefillBalancer:
         Randomness for ``RankChoice.sample``.
     now_s : float, default 0
         Start of the first round, seconds.
+    store : Store, optional
+        A load store shared by the router replicas of this pool (e.g.
+        :class:`lbkit.replicas.RedisStore`); ``None`` (default): this balancer is alone. Each
+        :meth:`route` and :meth:`end_round` first views it (the foreign load is the store's
+        totals minus this replica's contribution, :meth:`set_foreign_load`); each change of the
+        ledger publishes the replica's per-rank requests, quota and work (in nanoseconds).
+        When the store does not answer within its budget the decision runs on an estimate
+        (counted in ``statistics().store_fallbacks``; :mod:`lbkit.core.replica`).
+    replica_id : str, optional
+        This replica's name in ``store`` (required with it; unique among the replicas).
     **legacy
         The keyword options before the option objects (``edges=``, ``round_s=``,
         ``wake_penalty_s=``, ``context_parallel=``, ``rank_rule=``, ...): mapped onto the
@@ -162,9 +179,12 @@ class PrefillBalancer:
         rounds: Rounds | None = None,
         rng: np.random.Generator | int | None = None,
         now_s: float = 0.0,
+        store: Store | None = None,
+        replica_id: str | None = None,
         **legacy: Any,
     ) -> None:
         e = self._num_engines = check_int(num_engines, "num_engines", min_value=1)
+        rid = replica_id_iv(store, replica_id)
         self._ranks = check_int(ranks_per_engine, "ranks_per_engine", min_value=1)
         if not isinstance(cost, QuadraticCost):
             raise TypeError(f"cost: must be a QuadraticCost, got {type(cost).__name__}")
@@ -214,6 +234,15 @@ class PrefillBalancer:
         self._drift_last = 0.0
         self._drift_max = 0.0
         self._rebuild()
+        self._link: ReplicaLink | None = None
+        if rid is not None:
+            self._attach(store, rid)
+
+    def _attach(self, store: Any, replica_id: str) -> None:
+        """Join ``store`` as ``replica_id``: publish the whole ledger."""
+        n = self.num_ranks
+        self._link = ReplicaLink(store, replica_id, key="prefill", num_ranks=n, columns=3)
+        self._push()
 
     # ------------------------------------------------------------------ properties
     @property
@@ -252,8 +281,80 @@ class PrefillBalancer:
         return self._rounds
 
     def rank_loads(self) -> np.ndarray:
-        """Quota load per rank in flat order, shape (num_ranks,), seconds (a copy)."""
+        """Quota load of the ledger per rank in flat order, shape (num_ranks,), seconds (a
+        copy; without the foreign load)."""
         return self._ledger.rank_loads()
+
+    def foreign_load(self) -> ForeignLoad:
+        """The foreign load in force, per flat rank (copies; zeros until
+        :meth:`set_foreign_load`)."""
+        return ForeignLoad(*self._ledger.foreign())
+
+    def set_foreign_load(self, *, quota_s: Any, work_s: Any, num_requests: Any) -> None:
+        """Set the load that other routers queued on the ranks (replacing the previous one).
+
+        It counts in every later routing decision (each rule reads the ledger's sums plus this
+        load) and in :meth:`end_round`'s re-plan, but in no request of the ledger
+        (:mod:`lbkit.prefill.foreign`).
+
+        Parameters
+        ----------
+        quota_s : array_like of float, shape (num_ranks,)
+            Remaining quota of other routers' requests per flat rank, seconds (>= 0).
+        work_s : array_like of float, shape (num_ranks,)
+            Their step-time work (quota plus routed-expert seconds of the remaining tokens),
+            seconds (>= 0).
+        num_requests : array_like of int, shape (num_ranks,)
+            Their requests per flat rank (>= 0).
+
+        Raises
+        ------
+        ValueError, TypeError
+            A wrong shape, a negative, non-finite or (for requests) non-integer value; nothing
+            changes.
+
+        Runtime complexity: O(requests + ranks) (every rank's sums are re-summed).
+
+        Examples
+        --------
+        >>> from lbkit.core import PRESETS
+        >>> bal = PrefillBalancer(2, 1, cost=PRESETS["h800_dsv3"].prefill,
+        ...                       choice=RankChoice(rule="least_load"))
+        >>> bal.set_foreign_load(quota_s=[2.0, 0.0], work_s=[2.5, 0.0], num_requests=[1, 0])
+        >>> bal.route("a", 1000, now_s=0.0).engine
+        1
+        >>> bal.rank_loads().tolist()[0], bal.statistics().rank_foreign_load
+        (0.0, (2.0, 0.0))
+        """
+        new = foreign_iv(quota_s, work_s, num_requests, self.num_ranks)
+        self._ledger.set_foreign(*new)
+
+    # ------------------------------------------------------------------ store
+    def _own(self) -> np.ndarray:
+        quota, work, count = self._ledger.own_flat()
+        return np.stack([count, np.rint(quota * STORE_NS).astype(np.int64),
+                         np.rint(work * STORE_NS).astype(np.int64)])  # fmt: skip
+
+    def _pull(self) -> None:
+        """View the store before a decision: its foreign load replaces ours."""
+        f = self._link.view(self._own())
+        self._ledger.set_foreign(f[1] / STORE_NS, f[2] / STORE_NS, f[0].copy())
+
+    def _push(self) -> None:
+        """Publish the ledger's per-rank load after a change."""
+        if self._link is not None:
+            self._link.publish(self._own())
+
+    def _store_counts(self) -> dict[str, int]:
+        if self._link is None:
+            return {}
+        c = self._link.counts
+        return {
+            "store_views": c["views"],
+            "store_fallbacks": c["fallbacks"],
+            "store_errors": c["errors"],
+            "store_reconnects": c["reconnects"] + c["rebuilds"],
+        }
 
     def requests_on(self, engine: int, rank: int) -> tuple[Hashable, ...]:
         """Request ids queued or running on a rank, in FIFO order."""
@@ -345,6 +446,8 @@ class PrefillBalancer:
             if hits is not None:
                 hits = np.minimum(hits, total_tokens - 1)
         bucket = bisect.bisect_right(self._edges, total_tokens)
+        if self._link is not None:
+            self._pull()
         slot, reason, cached = self._choose(bucket, total_tokens, cached_tokens, hits)
         quota = led.quota(total_tokens - cached, cached)
         self._round_quota[bucket] += quota
@@ -354,6 +457,7 @@ class PrefillBalancer:
         flat = led.rank_at[slot]
         led.add(Request(request_id, flat, bucket, total_tokens, cached, 0, quota))
         self._counts["routed"] += 1
+        self._push()
         return RouteDecision(flat // self._ranks, flat % self._ranks, bucket, reason)
 
     def _hits_iv(self, cached_tokens: Any, total_tokens: Any) -> tuple[np.ndarray, int, bool]:
@@ -418,6 +522,7 @@ class PrefillBalancer:
                 f"tokens: request {request_id!r} has {left} tokens left to prefill, got {tokens}"
             )
         self._ledger.advance(req, req.done + tokens)
+        self._push()
         return left - tokens
 
     def reassign(self, request_id: Hashable, rank: int, *, now_s: float) -> None:
@@ -461,6 +566,7 @@ class PrefillBalancer:
             return
         self._ledger.move(req, new)
         self._counts["reassigned"] += 1
+        self._push()
 
     def finish(self, request_id: Hashable, *, now_s: float) -> int:
         """Remove a request from the ledger (finished, or aborted by the caller).
@@ -476,6 +582,7 @@ class PrefillBalancer:
         self._ledger.drop(req)
         self._counts["finished"] += 1
         self._maybe_join(req.rank // self._ranks)
+        self._push()
         return left
 
     def record(self, request_ids: Any, tokens: Any, finished: Any, /, *, now_s: float) -> int:
@@ -518,6 +625,7 @@ class PrefillBalancer:
         if n_fin:
             for e in sorted({f // self._ranks for f in touched}):
                 self._maybe_join(e)
+        self._push()
         return n_fin
 
     def _maybe_join(self, engine: int) -> None:
@@ -547,9 +655,11 @@ class PrefillBalancer:
                 f"now_s: must be after the start of the round ({self._round_start}), got {now}"
             )
         first = self._counts["rounds"] == 0
+        if self._link is not None:
+            self._pull()
         self._demand = smoothed_demand(self._rounds, self._demand, self._round_quota, elapsed,
                                        first)  # fmt: skip
-        loads = self.rank_loads().reshape(self._num_engines, self._ranks)
+        loads = self._ledger.total_loads().reshape(self._num_engines, self._ranks)
         result = replan(self._rounds, self._home, self._state, self._last_move, loads,
                         self._demand, now_s=now, first=first, min_engines=self._min_engines,
                         max_engines=self._max_engines)  # fmt: skip
@@ -619,6 +729,7 @@ class PrefillBalancer:
                 moved.append(
                     (req.rid, RouteDecision(req.rank // r, req.rank % r, req.bucket, reason))
                 )
+        self._push()
         return tuple(moved)
 
     def restore_engine(self, engine: int, *, now_s: float, bucket: int | None = None) -> None:
@@ -687,6 +798,7 @@ class PrefillBalancer:
         self._counts["reports_accepted"] += 1
         self._drift_last = drift
         self._drift_max = max(self._drift_max, drift)
+        self._push()
         return ReportResult(True, drift, unknown, missing)
 
     # ------------------------------------------------------------------ planning
@@ -729,6 +841,7 @@ class PrefillBalancer:
             parts[req.bucket].append(req.quota)
         qquota = [math.fsum(p) for p in parts]  # exact: independent of the ledger's order
         c = self._counts
+        foreign = self._ledger.foreign()
         return PrefillStatistics(
             bucket_demand=tuple(self._demand.tolist()),
             bucket_round_quota=tuple(self._round_quota),
@@ -755,6 +868,9 @@ class PrefillBalancer:
             drift_last_s=self._drift_last,
             drift_max_s=self._drift_max,
             reassigned=c["reassigned"],
+            rank_foreign_load=tuple(foreign[0].tolist()),
+            rank_foreign_requests=tuple(foreign[2].tolist()),
+            **self._store_counts(),
         )
 
     def _check(self) -> None:
@@ -820,12 +936,24 @@ class PrefillBalancer:
                 "drift_last_s": self._drift_last,
                 "drift_max_s": self._drift_max,
                 "rng": self._rng.bit_generator.state,
+                "foreign": dict(
+                    zip(
+                        ("quota_s", "work_s", "num_requests"),
+                        (a.tolist() for a in led.foreign()),
+                        strict=True,
+                    )
+                ),
             },
         }
 
     @classmethod
-    def from_state_dict(cls, state: Mapping[str, Any]) -> PrefillBalancer:
+    def from_state_dict(
+        cls, state: Mapping[str, Any], *, store: Store | None = None, replica_id: str | None = None
+    ) -> PrefillBalancer:
         """Rebuild a balancer from :meth:`state_dict` output (e.g. after ``json.loads``).
+
+        With ``store`` and ``replica_id`` (not saved in a state) the rebuilt balancer is that
+        replica again: it publishes its whole ledger before it returns.
 
         Reads states of version 2 and 1 (flat keyword options).
 
@@ -835,6 +963,7 @@ class PrefillBalancer:
             Unknown version, or a field out of its rules or inconsistent with the others,
             named (:func:`lbkit.prefill.persistence.read_state`).
         """
+        me = replica_id_iv(store, replica_id)
         e, r, cost, choice, buckets, rounds = read_config(state)
         nb = buckets.num_buckets
         led = Ledger(e, r, cost)
@@ -860,7 +989,10 @@ class PrefillBalancer:
             led.queues[rank][rid] = req
         for f in range(bal.num_ranks):
             led.resum(f)
-        led.load = s["load"][np.asarray(led.rank_at, dtype=np.int64)]  # as saved (checked)
+        if s["foreign"] is not None:
+            led.set_foreign(*s["foreign"])
+        led.own = s["load"][np.asarray(led.rank_at, dtype=np.int64)]  # as saved (checked)
+        led.load = led.own + led.f_load
         bal._round_quota = s["round_quota"]
         bal._demand = s["demand"]
         bal._counts = s["counts"]
@@ -870,4 +1002,6 @@ class PrefillBalancer:
             bal._rng.bit_generator.state = s["rng"]
         except (TypeError, ValueError, KeyError) as exc:
             raise ValueError(f"state.rng: not a numpy bit generator state ({exc})") from None
+        if me is not None:
+            bal._attach(store, me)
         return bal

@@ -17,6 +17,10 @@ the work of the chunk just run, whatever the chunking. Otherwise it is not (``q 
 chunking less than the one-chunk estimate, ``q < k/2`` more), but the decrements telescope: the
 load is the remaining quota of what is left, and zero once the request finishes.
 
+The sums a rank is routed by (``load``, ``work``, ``count``) are the ledger's own plus the
+*foreign* load of other routers (:mod:`lbkit.prefill.foreign`; zero unless set): ``own`` keeps
+the ledger's quota load alone, and with no foreign load the two are the same floats.
+
 The per-rank sums are kept in *slot* order (the layout of :mod:`lbkit.prefill.choice`: the ranks
 of each bucket's engines contiguous), ``slot[flat]`` and ``rank_at[slot]`` translating.
 
@@ -125,9 +129,17 @@ class Ledger:
     queues : list of dict
         Per flat rank, its requests in arrival order.
     load, work : ndarray of float, shape (num_ranks,)
-        Quota load and step-time work per slot, seconds.
+        Quota load and step-time work per slot, seconds, foreign load included.
     count : ndarray of int, shape (num_ranks,)
-        Requests per slot.
+        Requests per slot, foreign requests included.
+    own, own_work : ndarray of float, shape (num_ranks,)
+        The ledger's own quota load and work per slot, seconds.
+    own_count : ndarray of int, shape (num_ranks,)
+        The ledger's own requests per slot.
+    f_load, f_work : ndarray of float, shape (num_ranks,)
+        Foreign quota load and work per slot, seconds.
+    f_count : ndarray of int, shape (num_ranks,)
+        Foreign requests per slot.
     slot, rank_at : list of int
         Flat rank to slot and back.
     """
@@ -142,6 +154,12 @@ class Ledger:
         self.load = np.zeros(n)
         self.work = np.zeros(n)
         self.count = np.zeros(n, dtype=np.int64)
+        self.own = np.zeros(n)
+        self.own_work = np.zeros(n)
+        self.own_count = np.zeros(n, dtype=np.int64)
+        self.f_load = np.zeros(n)
+        self.f_work = np.zeros(n)
+        self.f_count = np.zeros(n, dtype=np.int64)
         # Exact partial sums of each flat rank's quotas and work terms (module docstring).
         self._load_parts: list[list[float]] = [[] for _ in range(n)]
         self._work_parts: list[list[float]] = [[] for _ in range(n)]
@@ -160,22 +178,46 @@ class Ledger:
     def relayout(self, order: list[int]) -> None:
         """Put the per-rank sums in a new slot order (``order[slot]`` is a flat rank)."""
         to_flat = np.asarray(self.slot, dtype=np.int64)
-        flat_load = self.load[to_flat]
-        flat_work = self.work[to_flat]
-        flat_count = self.count[to_flat]
+        names = ("load", "work", "count", "own", "own_work", "own_count", "f_load", "f_work",
+                 "f_count")  # fmt: skip
+        flat = [getattr(self, name)[to_flat] for name in names]
         self.rank_at = order
         slot = [0] * len(order)
         for s, f in enumerate(order):
             slot[f] = s
         self.slot = slot
         where = np.asarray(order, dtype=np.int64)
-        self.load = flat_load[where]
-        self.work = flat_work[where]
-        self.count = flat_count[where]
+        for name, arr in zip(names, flat, strict=True):
+            setattr(self, name, arr[where])
 
     def rank_loads(self) -> np.ndarray:
-        """Quota load per rank in flat order, shape (num_ranks,), seconds (a copy)."""
+        """The ledger's quota load per rank in flat order, shape (num_ranks,), seconds (a
+        copy; without the foreign load)."""
+        return self.own[np.asarray(self.slot, dtype=np.int64)]
+
+    def total_loads(self) -> np.ndarray:
+        """Quota load per rank in flat order with the foreign load, seconds (a copy)."""
         return self.load[np.asarray(self.slot, dtype=np.int64)]
+
+    def set_foreign(self, quota_s: np.ndarray, work_s: np.ndarray, count: np.ndarray) -> None:
+        """Set the foreign load, given per flat rank (validated by the caller)."""
+        where = np.asarray(self.rank_at, dtype=np.int64)
+        self.f_load = quota_s[where]
+        self.f_work = work_s[where]
+        self.f_count = count[where]
+        self.load = self.own + self.f_load
+        self.work = self.own_work + self.f_work
+        self.count = self.own_count + self.f_count
+
+    def own_flat(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The ledger's own quota, work and requests per flat rank (copies)."""
+        to_flat = np.asarray(self.slot, dtype=np.int64)
+        return self.own[to_flat], self.own_work[to_flat], self.own_count[to_flat]
+
+    def foreign(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The foreign quota, work and requests per flat rank (copies)."""
+        to_flat = np.asarray(self.slot, dtype=np.int64)
+        return self.f_load[to_flat], self.f_work[to_flat], self.f_count[to_flat]
 
     def get(self, rid: Hashable) -> Request:
         """The request of id ``rid`` (``KeyError`` naming it when unknown)."""
@@ -234,14 +276,18 @@ class Ledger:
         slot = self.slot[flat]
         n = len(self.queues[flat])
         if n:
-            self.load[slot] = math.fsum(self._load_parts[flat])
-            self.work[slot] = math.fsum(self._work_parts[flat])
+            own = math.fsum(self._load_parts[flat])
+            work = math.fsum(self._work_parts[flat])
         else:  # exactly zero already; dropping the partials keeps them few
             self._load_parts[flat] = []
             self._work_parts[flat] = []
-            self.load[slot] = 0.0
-            self.work[slot] = 0.0
-        self.count[slot] = n
+            own = work = 0.0
+        self.own[slot] = own
+        self.own_work[slot] = work
+        self.own_count[slot] = n
+        self.load[slot] = own + self.f_load[slot]
+        self.work[slot] = work + self.f_work[slot]
+        self.count[slot] = n + self.f_count[slot]
 
     def resum(self, flat: int) -> None:
         """Re-sum a rank's quota load, step-time work and request count from its queue
@@ -395,9 +441,14 @@ class Ledger:
             exact = math.fsum(r.quota for r in queue.values())
             assert flat[f] == exact, f"rank {f}: load {flat[f]!r} != exact quota sum {exact!r}"
             work = math.fsum(r.quota + self.moe * r.left for r in queue.values())
-            got = self.work[self.slot[f]]
+            got = self.own_work[self.slot[f]]
             assert got == work, f"rank {f}: work {got!r} != exact sum {work!r}"
             assert math.fsum(self._load_parts[f]) == (exact if queue else 0.0)
             if not queue:
                 assert flat[f] == 0.0, f"rank {f}: empty queue with load {flat[f]}"
         assert seen == len(self.requests), "a request is in the ledger but in no queue"
+        assert (self.load == self.own + self.f_load).all(), "total load is not own + foreign"
+        counts = np.array([len(self.queues[f]) for f in self.rank_at], dtype=np.int64)
+        assert (self.own_count == counts).all(), "request counts are stale"
+        assert (self.count == counts + self.f_count).all(), "request counts are stale"
+        assert (self.work == self.own_work + self.f_work).all(), "total work is not own + foreign"

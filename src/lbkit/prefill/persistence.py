@@ -19,6 +19,7 @@ import numpy as np
 from lbkit.core.cost import QuadraticCost
 from lbkit.core.engines import DRAINING, OUT
 from lbkit.core.validation import as_float_array, as_int_array, check_int, check_real
+from lbkit.prefill.foreign import foreign_iv
 from lbkit.prefill.legacy import BUCKET_KEYWORDS, CHOICE_KEYWORDS, ROUND_KEYWORDS, from_keywords
 from lbkit.prefill.options import Buckets, RankChoice, Rounds
 
@@ -214,9 +215,16 @@ def read_state(
     if counts["routed"] != len(requests) + counts["finished"] + counts["handed_back"]:
         raise ValueError("state.counts: routed must equal queued + finished + handed_back")
     rng = _mapping(s.get("rng"), "state.rng")
+    foreign = None
+    if s.get("foreign") is not None:
+        f = _mapping(s["foreign"], "state.foreign")
+        try:
+            foreign = foreign_iv(f.get("quota_s"), f.get("work_s"), f.get("num_requests"), n)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"state.foreign.{exc}") from None
     return {
         "home": home, "state": eng_state.astype(np.int8), "seq": seq, "last_move": last_move,
         "load": load, "round_quota": round_quota.tolist(), "demand": demand,
         "round_start": round_start, "drift_last": drift_last, "drift_max": drift_max,
-        "counts": counts, "requests": requests, "rng": rng,
+        "counts": counts, "requests": requests, "rng": rng, "foreign": foreign,
     }  # fmt: skip

@@ -97,13 +97,18 @@ class PrefillStatistics:
     round, s), ``bucket_engines`` (active engines), ``bucket_draining`` (engines draining towards
     it), ``bucket_server`` (bucket whose engines serve it, -1 if none), ``bucket_queued`` and
     ``bucket_queued_quota`` (requests of the bucket in the ledger and their remaining quota, s).
-    Per rank (flat ``engine * ranks_per_engine + rank``): ``rank_load`` (quota load, s).
+    Per rank (flat ``engine * ranks_per_engine + rank``): ``rank_load`` (the ledger's quota
+    load, s), ``rank_foreign_load`` and ``rank_foreign_requests`` (other routers' quota load, s,
+    and requests: :meth:`PrefillBalancer.set_foreign_load`).
     Per engine: ``engine_bucket`` (home bucket) and ``engine_state``
     (``"active"``, ``"draining"``, ``"out"``). Counters: requests ``queued`` (in the ledger,
     queued or running), ``routed`` (admitted), ``finished``, ``refused``, ``handed_back``,
     ``rerouted``; ``moves`` and ``rounds`` so far; reports ``reports_accepted`` and
     ``reports_stale``; ledger drift ``drift_last_s`` and ``drift_max_s``; ``reassigned``
-    (requests moved between ranks of their engine, :meth:`PrefillBalancer.reassign`).
+    (requests moved between ranks of their engine, :meth:`PrefillBalancer.reassign`). With a
+    store: ``store_views`` (good store calls), ``store_fallbacks`` (decisions on the fallback
+    estimate), ``store_errors`` (failed calls), ``store_reconnects`` (whole publishes after a
+    failure or a lost store).
     """
 
     bucket_demand: tuple[float, ...]
@@ -129,3 +134,9 @@ class PrefillStatistics:
     drift_last_s: float
     drift_max_s: float
     reassigned: int = 0
+    rank_foreign_load: tuple[float, ...] = ()
+    rank_foreign_requests: tuple[int, ...] = ()
+    store_views: int = 0
+    store_fallbacks: int = 0
+    store_errors: int = 0
+    store_reconnects: int = 0

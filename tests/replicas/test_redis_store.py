@@ -1,0 +1,94 @@
+"""RedisStore on a real server: the SYNC script's arithmetic, versions and atomicity."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from lbkit.core.replica import StoreError
+from lbkit.replicas import RedisStore
+
+
+def _sync(store, replica, version, values: dict, size=4):
+    fields = np.array(list(values), dtype=np.int64)
+    vals = np.array(list(values.values()), dtype=np.int64)
+    return store.sync("decode", replica, version, fields, vals, size)
+
+
+def test_sync_sums_contributions_and_ignores_old_versions(any_server):
+    store = RedisStore(any_server.url, namespace="s", budget_s=2.0)
+    tot, ver = _sync(store, "a", 1, {0: 3, 2: 2**50})
+    assert tot.tolist() == [3, 0, 2**50, 0] and ver == 1
+    tot, ver = _sync(store, "b", 1, {0: 1, 1: 5})
+    assert tot.tolist() == [4, 5, 2**50, 0] and ver == 1
+    tot, _ = _sync(store, "a", 2, {0: 1, 2: 7})  # absolute values: totals move by the change
+    assert tot.tolist() == [2, 5, 7, 0]
+    for version in (2, 1):  # a retried or late publish changes nothing
+        tot, ver = _sync(store, "a", version, {0: 99})
+        assert tot.tolist() == [2, 5, 7, 0] and ver == 2
+    tot, ver = _sync(store, "a", -1, {})  # a view
+    assert tot.tolist() == [2, 5, 7, 0] and ver == 2
+    assert store.contributions("decode", 4)["a"].tolist() == [1, 0, 7, 0]
+    assert _sync(store, "c", -1, {})[1] == -1  # never published
+    contrib = store.contributions("decode", 4)
+    assert sorted(contrib) == ["a", "b"]
+    assert (sum(contrib.values()) == store.totals("decode", 4)).all()
+    store.clear()
+    assert store.totals("decode", 4).tolist() == [0, 0, 0, 0]
+    store.close()
+
+
+def test_an_unreachable_server_raises_store_error(own_server):
+    store = RedisStore(own_server.url, namespace="x", budget_s=0.2)
+    _sync(store, "a", 1, {0: 1})
+    own_server.stop()
+    with pytest.raises(StoreError):
+        _sync(store, "a", 2, {0: 2})
+    own_server.start()  # the script cache is empty again: it is reloaded
+    tot, _ = _sync(store, "a", 3, {0: 2})
+    assert tot.tolist() == [2, 0, 0, 0]  # nothing persisted: the table starts empty
+
+
+def test_a_paused_server_times_out_within_the_budget(own_server):
+    store = RedisStore(own_server.url, namespace="p", budget_s=0.1)
+    _sync(store, "a", 1, {0: 1})
+    own_server.pause()
+    try:
+        with pytest.raises(StoreError, match="Timeout"):
+            _sync(store, "a", 2, {0: 2})
+    finally:
+        own_server.resume()
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [(dict(namespace=""), "namespace"), (dict(namespace="a:b"), "namespace"),
+     (dict(namespace="n", budget_s=0.0), "budget_s")],
+)  # fmt: skip
+def test_bad_arguments_are_named(kw, match):
+    with pytest.raises(ValueError, match=match):
+        RedisStore("redis://127.0.0.1:1/0", **kw)
+
+
+def test_a_paused_leader_is_replaced_and_its_late_write_refused(any_server):
+    store = RedisStore(any_server.url, namespace="lease", budget_s=2.0)
+    a = store.acquire_lease("round", "a", ttl_s=0.3)
+    assert a == 1
+    assert store.acquire_lease("round", "b", ttl_s=0.3) == -1  # a holds it
+    assert store.acquire_lease("round", "a", ttl_s=0.3) == 1  # renewal keeps the epoch
+    assert store.write_fenced("round", a, '{"plan": 1}') == 1
+    time.sleep(0.5)  # a pauses past its lease (no renewal)
+    b = store.acquire_lease("round", "b", ttl_s=5.0)
+    assert b == 2
+    assert store.write_fenced("round", a, '{"plan": "late"}') == -1  # fenced off
+    assert store.acquire_lease("round", "a", ttl_s=0.3) == -1
+    assert store.write_fenced("round", b, '{"plan": 2}') == 2
+    assert store.read_fenced("round") == (2, 2, '{"plan": 2}')
+    assert not store.release_lease("round", "a", a)
+    assert store.release_lease("round", "b", b)
+    assert store.acquire_lease("round", "a", ttl_s=1.0) == 3
+    assert store.read_fenced("other") is None
+    with pytest.raises(ValueError, match="name"):
+        store.acquire_lease("a:b", "a", ttl_s=1.0)
