@@ -181,45 +181,10 @@ def test_trace_file(tmp_path, capsys):
     assert "t.csv" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize(
-    ("args", "needle"),
-    [
-        (["--trace", "/no/such/file.jsonl"], "trace file not found"),
-        (["--utilization", "0"], "--utilization: must be a finite number > 0"),
-        (["--slo-ttft", "0"], "--slo-ttft: must be a finite number > 0"),
-        (["--slo-tpot", "inf"], "--slo-tpot: must be a finite number > 0"),
-        (["--slo-ttft-slowdown", "-1"], "--slo-ttft-slowdown: must be a finite number >= 0"),
-        (["--attainment", "1.5"], "--attainment: must be in (0, 1]"),
-        (["--decode-batch", "4", "--migrate-every", "-1"], "--migrate-every: must be a finite"),
-        (["--migration-gbps", "inf"], "--migration-gbps: must be a finite number > 0"),
-        (
-            ["--decode-batch", "4", "--migrate-every", "0", "--migration-gbps", "0"],
-            "--migration-gbps: must be a finite number > 0",
-        ),
-        (["--max-migrations", "0"], "--max-migrations: must be >= 1"),
-        (["--cp-efficiency", "0"], "--cp-efficiency: must be in (0, 1]"),
-        (["--cp-efficiency", "nan"], "--cp-efficiency: must be in (0, 1]"),
-        (["--cp-efficiency", "0.8"], "--cp-efficiency: needs --work-sharing split"),
-        (["--kv-bytes-per-token", "0"], "--kv-bytes-per-token: must be >= 1"),
-        (["--utilization", "-0.5"], "--utilization"),
-        (["--prefill-engines", "0"], "--prefill-engines: must be >= 1"),
-        (["--ranks-per-engine", "-1"], "--ranks-per-engine: must be >= 1"),
-        (["--decode-ranks", "0"], "--decode-ranks: must be >= 1"),
-        (["--policies", "fastest"], "unknown policy 'fastest'"),
-        (["--decode-batch", "0"], "--decode-batch: must be a finite number > 0"),
-    ],
-)
-def test_bad_input_one_line(args, needle, capsys):
-    assert main(["bench", *args]) == 2
-    err = capsys.readouterr().err
-    assert needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
-
-
 def test_unknown_format_is_refused_by_the_parser(capsys):
-    with pytest.raises(SystemExit) as exc:
-        main(["bench", "--format", "parquet"])
-    assert exc.value.code == 2
-    assert "Traceback" not in capsys.readouterr().err
+    assert main(["bench", "--format", "parquet"]) == 2
+    err = capsys.readouterr().err
+    assert "--format" in err and "Traceback" not in err and err.count("\n") == 1
 
 
 def test_subprocess_bad_trace_has_no_traceback(tmp_path):
@@ -238,8 +203,7 @@ def test_subprocess_bad_trace_has_no_traceback(tmp_path):
 
 
 def test_help_explains_every_option(capsys):
-    with pytest.raises(SystemExit):
-        main(["bench", "--help"])
+    assert main(["bench", "--help"]) == 0
     text = capsys.readouterr().out
     for opt in ("--trace", "--format", "--utilization", "--seed", "--prefill-engines",
                 "--ranks-per-engine", "--decode-ranks", "--policies", "--max-requests", "--json",

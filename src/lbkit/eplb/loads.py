@@ -10,14 +10,17 @@ Formats, chosen by file suffix:
 - ``.csv`` / ``.txt``: one layer per row, experts as comma-separated columns; a first line that
   is not numeric is taken as a header and skipped; ``#`` starts a comment line.
 
-Loads must be finite and non-negative. Dense layers recorded as all zeros (DeepSeek-V3's first
-three) can be dropped with ``drop_zero_layers=True``.
+Loads must be finite, non-negative numbers (booleans are refused), and a 3-D dump's sum over its
+recordings must stay finite in float64. Dense layers recorded as all zeros (DeepSeek-V3's first
+three) can be dropped with ``drop_zero_layers=True``. Every error names the file (and the line,
+for CSV): a missing file, a directory, a binary file, malformed content or a bad value.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import zipfile
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -74,8 +77,12 @@ def read_expert_load(
     FileNotFoundError
         ``path`` does not exist.
     ValueError
-        Unknown format, malformed content (the message names the line for CSV), wrong shape,
-        negative or non-finite loads, or nothing left after dropping zero layers.
+        ``path`` is not a regular file, unknown format, text that is not UTF-8, malformed
+        content (the message names the line for CSV), wrong shape, negative, boolean or
+        non-finite loads, a sum over recordings beyond the float64 range, or nothing left after
+        dropping zero layers.
+    TypeError
+        The array does not hold real numbers (e.g. strings in a ``.npy``).
 
     Examples
     --------
@@ -89,15 +96,26 @@ def read_expert_load(
                num_layers_read=2)
     """
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"load file not found: {path}")
+    if not path.is_file():
+        raise ValueError(f"{path}: not a regular file (a directory?)")
     fmt = format if format is not None else _detect(path)
     if fmt not in FORMATS:
         raise ValueError(f"format: must be one of {', '.join(FORMATS)}; got {fmt!r}")
     raw = {"json": _read_json, "npy": _read_npy, "npz": _read_npz, "csv": _read_csv}[fmt](path)
-    arr = as_float_array(raw, f"{path.name}", nonnegative=True)
+    arr = _as_loads(raw, path.name)
     if arr.ndim == 3:
-        arr = arr.sum(axis=0)
+        with np.errstate(over="ignore"):
+            summed = arr.sum(axis=0)
+        if not np.isfinite(summed).all():
+            layer, expert = (int(i) for i in np.argwhere(~np.isfinite(summed))[0])
+            raise ValueError(
+                f"{path.name}: layer {layer}, expert {expert}: the sum over the "
+                f"{arr.shape[0]} recordings exceeds the largest float64 "
+                f"({np.finfo(np.float64).max:.4g})"
+            )
+        arr = summed
     if arr.ndim != 2 or arr.shape[0] == 0 or arr.shape[1] == 0:
         raise ValueError(
             f"{path.name}: expected a [layers, experts] or [recordings, layers, experts] matrix, "
@@ -106,11 +124,48 @@ def read_expert_load(
     num_read = arr.shape[0]
     layers = np.arange(num_read, dtype=np.int64)
     if drop_zero_layers:
-        keep = arr.sum(axis=1) > 0
+        keep = (arr > 0).any(axis=1)  # no sum: loads near the float64 limit would overflow
         if not keep.any():
             raise ValueError(f"{path.name}: every layer is all zeros; nothing to balance")
         arr, layers = arr[keep], layers[keep]
     return ExpertLoad(weight=arr, layers=layers, source_format=fmt, num_layers_read=num_read)
+
+
+def _as_loads(raw: Any, name: str) -> np.ndarray:
+    """``raw`` as float64 loads, refusing booleans and values beyond the float64 range."""
+    dtype = getattr(raw, "dtype", None)
+    if dtype is not None and dtype.kind == "b":
+        raise ValueError(f"{name}: holds booleans (dtype bool), not loads")
+    if dtype is not None and dtype.kind == "f" and dtype.itemsize > 8 and raw.size:
+        big = np.abs(raw) > np.finfo(np.float64).max
+        if (big & np.isfinite(raw)).any():
+            index = tuple(int(i) for i in np.argwhere(big & np.isfinite(raw))[0])
+            raise ValueError(
+                f"{name}: load at index {index} exceeds the largest float64 "
+                f"({np.finfo(np.float64).max:.4g})"
+            )
+    return as_float_array(raw, name, nonnegative=True)
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_bytes().decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"{path.name}: not UTF-8 text ({exc.reason} at byte {exc.start}); a binary file?"
+        ) from None
+
+
+def _leaves_are_numbers(data: Any) -> bool:
+    """Whether every leaf of the nested lists ``data`` is an int or a float (bool is not)."""
+    stack = [data]
+    while stack:
+        item = stack.pop()
+        if type(item) is list:
+            stack.extend(item)
+        elif type(item) not in (int, float):
+            return False
+    return True
 
 
 def _detect(path: Path) -> str:
@@ -126,10 +181,15 @@ def _detect(path: Path) -> str:
 
 
 def _read_json(path: Path) -> Any:
+    text = _read_text(path)
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path.name}: malformed JSON at line {exc.lineno}: {exc.msg}") from None
+    except RecursionError:
+        raise ValueError(f"{path.name}: JSON nested too deeply") from None
+    except ValueError:  # an integer of more than 4300 digits
+        raise ValueError(f"{path.name}: a number with more than 4300 digits") from None
     if isinstance(data, dict):
         if "logical_count" not in data:
             raise ValueError(
@@ -139,8 +199,17 @@ def _read_json(path: Path) -> Any:
         data = data["logical_count"]
     if not isinstance(data, list):
         raise ValueError(f"{path.name}: expected a nested list of loads")
+    if not _leaves_are_numbers(data):
+        raise ValueError(
+            f"{path.name}: 'logical_count' holds something other than numbers (a string, a "
+            f"boolean, null or an object)"
+        )
     try:
         return np.array(data, dtype=np.float64)
+    except OverflowError:
+        raise ValueError(
+            f"{path.name}: a load exceeds the largest float64 ({np.finfo(np.float64).max:.4g})"
+        ) from None
     except (ValueError, TypeError):
         raise ValueError(
             f"{path.name}: 'logical_count' is not a rectangular array of numbers"
@@ -150,8 +219,8 @@ def _read_json(path: Path) -> Any:
 def _read_npy(path: Path) -> Any:
     try:
         return np.load(path, allow_pickle=False)
-    except ValueError as exc:
-        raise ValueError(f"{path.name}: not a readable .npy array ({exc})") from None
+    except (ValueError, EOFError, OSError, zipfile.BadZipFile) as exc:
+        raise ValueError(f"{path.name}: not a readable .npy array ({str(exc)[:80]})") from None
 
 
 def _read_npz(path: Path) -> Any:
@@ -162,8 +231,8 @@ def _read_npz(path: Path) -> Any:
                 return data["logical_count"]
             if len(keys) == 1:
                 return data[keys[0]]
-    except ValueError as exc:
-        raise ValueError(f"{path.name}: not a readable .npz archive ({exc})") from None
+    except (ValueError, EOFError, OSError, KeyError, zipfile.BadZipFile) as exc:
+        raise ValueError(f"{path.name}: not a readable .npz archive ({str(exc)[:80]})") from None
     raise ValueError(f"{path.name}: .npz needs a 'logical_count' array or exactly one array")
 
 
@@ -171,7 +240,7 @@ def _read_csv(path: Path) -> Any:
     rows: list[list[float]] = []
     width = None
     header_allowed = True
-    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+    for lineno, line in enumerate(_read_text(path).splitlines(), start=1):
         text = line.strip()
         if not text or text.startswith("#"):
             continue
@@ -188,6 +257,8 @@ def _read_csv(path: Path) -> Any:
         header_allowed = False
         if any(not math.isfinite(v) for v in values):
             raise ValueError(f"{path.name}: line {lineno}: loads must be finite")
+        if any(v < 0 for v in values):
+            raise ValueError(f"{path.name}: line {lineno}: loads must be non-negative")
         if width is None:
             width = len(values)
         elif len(values) != width:

@@ -9,7 +9,10 @@ A trace is a table of requests sorted by arrival. Two public formats are read:
   GeneratedTokens`` with wall-clock timestamps of 100-ns resolution.
 
 :func:`load_trace` detects the format. Every reader reports a malformed line as
-``"<file>: line <n>: <field>: <rule>, got <value>"``.
+``"<file>: line <n>: <field>: <rule>, got <value>"``; a file that is missing, a directory, or not
+UTF-8 text is reported with its name. The readers refuse numbers they cannot hold exactly: token
+counts above :data:`MAX_TOKENS`, Mooncake timestamps above :data:`MAX_TIMESTAMP_MS` and block ids
+beyond int64.
 
 Request invariants (checked whenever a :class:`Trace` is built):
 
@@ -48,6 +51,8 @@ from lbkit.prefill.buckets import DEFAULT_EDGES, check_edges
 __all__ = [
     "BUCKET_EDGES_TOKENS",
     "FORMATS",
+    "MAX_TIMESTAMP_MS",
+    "MAX_TOKENS",
     "MOONCAKE_BLOCK_TOKENS",
     "SPREADS",
     "Percentiles",
@@ -68,6 +73,13 @@ FORMATS: tuple[str, ...] = ("mooncake", "azure")
 SPREADS: tuple[str, ...] = ("none", "even", "uniform")
 #: Tokens per prefix block in Mooncake's ``hash_ids``.
 MOONCAKE_BLOCK_TOKENS = 512
+#: Largest input or output length the readers accept, 2**40 (about 1.1e12) tokens: far beyond any
+#: context window, and small enough that sums over millions of requests stay exact in int64.
+MAX_TOKENS = 2**40
+#: Largest Mooncake timestamp, 2**53 ms (about 285,000 years): integers up to it are exact in
+#: float64, so differences of timestamps are exact.
+MAX_TIMESTAMP_MS = 2**53
+_INT64_MAX = 2**63 - 1
 
 AZURE_COLUMNS: tuple[str, ...] = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 _TICKS_PER_S = 10_000_000  # Azure timestamps have 100-ns resolution (7 decimals)
@@ -473,12 +485,19 @@ def _read_lines(path: str | Path) -> tuple[Path, list[str]]:
 
 
 def _bad(name: str, lineno: int, field: str, rule: str, value: Any) -> ValueError:
-    return ValueError(f"{name}: line {lineno}: {field}: {rule}, got {value!r}")
+    return ValueError(f"{name}: line {lineno}: {field}: {rule}, got {_shorten(value)}")
+
+
+def _shorten(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _positive_int(value: Any, name: str, lineno: int, field: str) -> int:
     if type(value) is not int or value < 1:  # bool is not an int here
         raise _bad(name, lineno, field, "must be a positive integer", value)
+    if value > MAX_TOKENS:
+        raise _bad(name, lineno, field, f"must be at most 2**40 = {MAX_TOKENS:,} tokens", value)
     return value
 
 
@@ -579,6 +598,12 @@ def load_mooncake(
             raise ValueError(
                 f"{name}: line {lineno}: malformed JSON ({exc.msg} at column {exc.colno})"
             ) from None
+        except RecursionError:
+            raise ValueError(f"{name}: line {lineno}: JSON nested too deeply") from None
+        except ValueError:  # an integer of more than 4300 digits
+            raise ValueError(
+                f"{name}: line {lineno}: a number with more than 4300 digits"
+            ) from None
         if type(rec) is not dict:
             raise ValueError(
                 f"{name}: line {lineno}: expected a JSON object, got {type(rec).__name__}"
@@ -589,6 +614,8 @@ def load_mooncake(
         stamp = rec["timestamp"]
         if type(stamp) not in (int, float) or not (0 <= stamp < math.inf):
             raise _bad(name, lineno, "timestamp", "must be a non-negative number of ms", stamp)
+        if stamp > MAX_TIMESTAMP_MS:
+            raise _bad(name, lineno, "timestamp", "must be at most 2**53 ms", stamp)
         length = _positive_int(rec["input_length"], name, lineno, "input_length")
         outputs.append(_positive_int(rec["output_length"], name, lineno, "output_length"))
         if has_hashes is None:
@@ -603,6 +630,8 @@ def load_mooncake(
             ids = rec["hash_ids"]
             if type(ids) is not list or not all(type(v) is int and v >= 0 for v in ids):
                 raise _bad(name, lineno, "hash_ids", "must be a list of non-negative integers", ids)
+            if ids and max(ids) > _INT64_MAX:
+                raise _bad(name, lineno, "hash_ids", "ids must be at most 2**63 - 1", max(ids))
             want = -(-length // block_tokens)
             if len(ids) != want:
                 raise ValueError(
@@ -780,6 +809,8 @@ def _csv_count(text: str, name: str, lineno: int, field: str) -> int:
         raise _bad(name, lineno, field, "must be a positive integer", text) from None
     if value < 1:
         raise _bad(name, lineno, field, "must be a positive integer", value)
+    if value > MAX_TOKENS:
+        raise _bad(name, lineno, field, f"must be at most 2**40 = {MAX_TOKENS:,} tokens", value)
     return value
 
 
@@ -824,8 +855,8 @@ def load_trace(path: str | Path, /, *, format: str | None = None, **options: Any
     FileNotFoundError
         ``path`` does not exist.
     ValueError
-        Unknown ``format`` (the message lists the allowed ones), undetectable format, or any
-        error of the reader.
+        Unknown ``format`` (the message lists the allowed ones), ``path`` is not a regular
+        file, undetectable format, or any error of the reader.
 
     Examples
     --------
@@ -845,5 +876,7 @@ def load_trace(path: str | Path, /, *, format: str | None = None, **options: Any
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"trace file not found: {path}")
+    if not path.is_file():
+        raise ValueError(f"{path}: not a regular file")
     fmt = format if format is not None else _detect_format(path)
     return _LOADERS[fmt](path, **options)
