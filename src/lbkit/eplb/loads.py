@@ -218,14 +218,19 @@ def _read_json(path: Path) -> Any:
 
 def _read_npy(path: Path) -> Any:
     try:
-        return np.load(path, allow_pickle=False)
+        with open(path, "rb") as fh:  # closed also when numpy cannot parse it
+            out = np.load(fh, allow_pickle=False)
+            if not isinstance(out, np.ndarray):  # an .npz archive under an .npy name
+                out.close()
+                raise ValueError("it holds an .npz archive")
+            return out
     except (ValueError, EOFError, OSError, zipfile.BadZipFile) as exc:
         raise ValueError(f"{path.name}: not a readable .npy array ({str(exc)[:80]})") from None
 
 
 def _read_npz(path: Path) -> Any:
     try:
-        with np.load(path, allow_pickle=False) as data:
+        with open(path, "rb") as fh, np.load(fh, allow_pickle=False) as data:
             keys = list(data.keys())
             if "logical_count" in keys:
                 return data["logical_count"]
