@@ -32,12 +32,15 @@ the fresh plan's ``moe_lb`` is kept as it is (zero drift moves nothing):
    ``T``; then that expert gains a replica from the expert that loses least.
 2. **Keep, then fill**: every other old replica stays; the new replicas fill the freed slots,
    largest first, each into the lightest GPU with a free slot.
-3. **Excess descent**: while some GPU is above ``T``, the step that lowers the total excess
-   ``sum_g max(0, load_g - T)`` most per move: a count change (one slot given from an expert
-   with several replicas to another expert: one move), a swap of a replica of a GPU above ``T``
-   with a smaller one elsewhere (two moves), or a chain of exchanges (``m`` GPUs above ``T``
-   each passing a replica to the next, the first one's going to a light GPU that passes one to
-   the last: ``m + 1`` moves for ``m`` GPUs). Only GPUs above ``T`` are ever unloaded; a local
+3. **Exchange cycles**: GPUs above ``T`` are fixed by cycles that keep replica counts: ``m``
+   GPUs above ``T`` each pass a replica to the next, larger than the one they receive by at
+   least their excess, and a light GPU closes the cycle (``m + 1`` moves for ``m`` GPUs; the
+   fixed-count lower bound on moves is ``H + k`` for ``H`` GPUs above ``T`` and ``k`` light
+   GPUs whose room covers the excess). If some GPU stays above ``T``, the **excess descent**
+   continues: the step that lowers the total excess ``sum_g max(0, load_g - T)`` most per
+   move: a count change (one slot given from an expert with several replicas to another
+   expert: one move), a swap of a replica of a GPU above ``T`` with a smaller one elsewhere
+   (two moves), or a chain of exchanges. Only GPUs above ``T`` are ever unloaded; a local
    search on the most loaded GPU follows if the descent stops short.
 4. The best state within the movement budget is kept (lowest largest load, then fewest moves),
    then moves that are not needed are given back (a swap or count change that saves a move
