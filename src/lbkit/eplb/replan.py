@@ -599,9 +599,7 @@ def _matched_fresh(prev: np.ndarray, fresh: np.ndarray, args: _Replan) -> tuple[
     return row, moves
 
 
-def _select(
-    moves: np.ndarray, lb: np.ndarray, cap: float, limit: int | None = None
-) -> np.ndarray:
+def _select(moves: np.ndarray, lb: np.ndarray, cap: float, limit: int | None = None) -> np.ndarray:
     """Exact choice of one candidate per layer with at most ``limit`` total moves (default: no
     limit): the fewest total moves such that ``sum(lb) <= cap``, then the smallest ``sum(lb)``;
     the choice with the smallest ``sum(lb)`` (then fewest moves) if none fits. ``moves`` (int)
