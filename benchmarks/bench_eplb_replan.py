@@ -1,39 +1,129 @@
-"""Plan time of re-planning (``replan_experts``) at DeepSeek-V3 sizes; JIT warmed up first.
+"""Plan time of re-planning at DeepSeek-V3 sizes (58 x 256), side by side with a fresh plan.
 
-Both tolerance scopes: ``"mean"`` (default: candidates at several per-layer tolerances, then the
-fewest moves with the mean ``moe_lb`` within the tolerance) and ``"layer"`` (one re-plan per
-layer at the tolerance).
+Loads: the DeepSeek-V3 expert-load trace ``prefill_in1024`` (SGLang ``logical_count``, layers
+3-60) planned fresh by lbkit, then re-planned for the same loads drifted by lognormal sigma 0.1;
+without the trace directory, lognormal loads (sigma 1). Each group times, on the same input:
+
+- ``lbkit replan``: :func:`lbkit.eplb.replan.replan_experts` (default: mean scope, 1%);
+- ``lbkit scheduler``: ``EplbScheduler.maybe_rebalance`` after one recording of the new loads;
+- ``lbkit fresh``: :func:`lbkit.eplb.rebalance_experts` of the new loads;
+- ``deepseek fresh``: DeepSeek's reference ``rebalance_experts`` of the new loads, when
+  ``LBKIT_DEEPSEEK_EPLB`` names a copy of its ``eplb.py`` and torch is importable.
+
+The target of re-planning is at most a quarter of ``deepseek fresh``'s time; the ratio is taken
+from one run (``pytest benchmarks/bench_eplb_replan.py --benchmark-enable``). JIT warmed up first;
+``extra_info`` records moves and moe_lb.
 """
 
 from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import lbkit
-from lbkit.eplb import (
-    _replan_kernels,
-    drift,
-    moe_lb,
-    rebalance_experts,
-    synthetic_expert_load,
-)
+from lbkit.eplb import drift, moe_lb, rebalance_experts, synthetic_expert_load
 from lbkit.eplb.replan import replan_experts
+from lbkit.eplb.scheduler import EplbScheduler
+
+TRACE = (
+    Path(__file__).resolve().parents[1]
+    / ".."
+    / "shared"
+    / "traces"
+    / "moe_expert_load_deepseek_v3"
+    / "prefill_in1024.json"
+)
+SHAPES = [  # (slots, gpus, nodes, policy)
+    (288, 32, 4, "global"),
+    (288, 32, 4, "hierarchical"),
+    (320, 64, 8, "global"),
+    (320, 64, 8, "hierarchical"),
+]
 
 
-@pytest.mark.parametrize("scope", ["mean", "layer"])
-@pytest.mark.parametrize(("r", "g", "n"), [(288, 32, 4), (320, 64, 8)])
-@pytest.mark.parametrize("policy", ["global", "hierarchical"])
-def bench_replan_experts(benchmark, r, g, n, policy, scope):
+def _loads() -> tuple[np.ndarray, np.ndarray]:
+    if TRACE.is_file():
+        w0 = np.array(json.loads(TRACE.read_text())["logical_count"], dtype=np.float64)[3:]
+    else:
+        w0 = synthetic_expert_load(58, 256, sigma=1.0, rng=0)
+    return w0, drift(w0, sigma=0.1, rng=1)
+
+
+def _id(shape) -> str:
+    slots, gpus, _, policy = shape
+    return f"58x256-{gpus}gpu-{slots}slots-{policy}"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _warm():
     lbkit.warmup(packages=("eplb",))
-    _replan_kernels.warmup()
-    w = synthetic_expert_load(58, 256, sigma=1.0, rng=0)
-    old = rebalance_experts(w, r, 8, n, g, policy=policy).phy2log
-    w2 = drift(w, sigma=0.1, rng=1)
-    benchmark.group = f"replan_experts|58x256/{r}/{g}/{policy}/{scope}"
-    res = benchmark(replan_experts, w2, old, r, 8, n, g, policy=policy, tolerance_scope=scope)
-    assert (res.moe_lb <= res.previous_moe_lb + 1e-12).all()
-    assert np.isfinite(res.moe_lb).all()
-    if scope == "mean":
-        fresh = rebalance_experts(w2, r, 8, n, g, policy=policy).phy2log
-        assert res.moe_lb.mean() <= moe_lb(w2, fresh, num_gpus=g).mean() * 1.01 * (1 + 1e-9)
+
+
+def _case(shape):
+    slots, gpus, nodes, policy = shape
+    w0, w1 = _loads()
+    old = rebalance_experts(w0, slots, 8, nodes, gpus, policy=policy).phy2log
+    return w1, old, slots, nodes, gpus, policy
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=_id)
+def bench_lbkit_replan(benchmark, shape):
+    w1, old, slots, nodes, gpus, policy = _case(shape)
+    benchmark.group = f"replan|{_id(shape)}"
+    res = benchmark(replan_experts, w1, old, slots, 8, nodes, gpus, policy=policy)
+    fresh = moe_lb(w1, rebalance_experts(w1, slots, 8, nodes, gpus, policy=policy).phy2log,
+                   num_gpus=gpus)  # fmt: skip
+    assert res.moe_lb.mean() <= fresh.mean() * 1.01 * (1 + 1e-9)
+    benchmark.extra_info.update(
+        method="lbkit replan",
+        moves_share=float(res.num_moves.sum() / old.size),
+        moe_lb_mean=float(res.moe_lb.mean()),
+        fresh_moe_lb_mean=float(fresh.mean()),
+    )
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=_id)
+def bench_lbkit_scheduler(benchmark, shape):
+    w1, old, slots, nodes, gpus, policy = _case(shape)
+    benchmark.group = f"replan|{_id(shape)}"
+
+    def run():
+        s = EplbScheduler(w1.shape[0], w1.shape[1], slots, 8, nodes, gpus, policy=policy,
+                          window=1, min_interval_s=0.0, initial_phy2log=old)  # fmt: skip
+        s.record(w1)
+        return s.maybe_rebalance(now_s=0.0)
+
+    d = benchmark(run)
+    benchmark.extra_info.update(method="lbkit scheduler", moves=int(d.num_moves))
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=_id)
+def bench_lbkit_fresh(benchmark, shape):
+    w1, _, slots, nodes, gpus, policy = _case(shape)
+    benchmark.group = f"replan|{_id(shape)}"
+    benchmark(rebalance_experts, w1, slots, 8, nodes, gpus, policy=policy)
+    benchmark.extra_info.update(method="lbkit fresh")
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=_id)
+def bench_deepseek_fresh(benchmark, shape):
+    path = os.environ.get("LBKIT_DEEPSEEK_EPLB")
+    if not path:
+        pytest.skip("LBKIT_DEEPSEEK_EPLB is not set")
+    torch = pytest.importorskip("torch")
+    spec = importlib.util.spec_from_file_location("deepseek_eplb", path)
+    ds = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ds)
+    w1, _, slots, nodes, gpus, policy = _case(shape)
+    groups, n = (8, nodes) if policy == "hierarchical" else (1, 1)
+    benchmark.group = f"replan|{_id(shape)}"
+    out = benchmark(ds.rebalance_experts, torch.tensor(w1).float(), slots, groups, n, gpus)
+    benchmark.extra_info.update(
+        method="deepseek fresh",
+        moe_lb_mean=float(moe_lb(w1, out[0].numpy(), num_gpus=gpus).mean()),
+    )

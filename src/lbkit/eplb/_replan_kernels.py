@@ -472,6 +472,186 @@ def _descend(w, size, cnt, hold, cur, gpu_exp, load, target, budget, moves, max_
     return moves
 
 
+#: Light GPUs (largest room first) tried as the closing GPU of an exchange cycle.
+CYCLE_CLOSERS = 6
+
+
+@jit
+def _chain_from(size, gpu_exp, cur, load, target, tol, k, j, by_rise, mark, stamp, ch_g, ch_i):
+    """Longest exchange cycle closed by slot ``j`` of the light GPU ``k`` (counts fixed).
+
+    ``k`` gives its replica ``c`` (slot ``j``) to a GPU above ``target``; each GPU of the chain
+    gives a replica larger than the one it receives by at least its excess to the next, and the
+    last one's goes to ``k``, which must stay at or below ``target``: the sizes grow along the
+    chain and their total rise is at most ``k``'s room. Greedy: the next GPU is the one whose
+    step leaves the least slack over its excess (lowest GPU, slot among equals). Returns
+    ``(m, span)``: the longest prefix that ``k`` can close (it must not hold the last replica's
+    expert) and its total rise; the chain is in ``ch_g[:m], ch_i[:m]``.
+    """
+    num_gpus, slots = gpu_exp.shape
+    room = target - load[k]
+    c = gpu_exp[k, j]
+    s_in = size[c]
+    e_in = c
+    rise = 0.0
+    m = 0
+    best_m = 0
+    best_rise = 0.0
+    while True:
+        bh = -1
+        bi = -1
+        bslack = np.inf
+        for h in range(num_gpus):
+            if mark[h] == stamp or load[h] <= target + tol or cur[h, e_in] > 0:
+                continue
+            exc = load[h] - target
+            for i in range(slots):
+                d = size[gpu_exp[h, i]] - s_in
+                if d < exc - tol or rise + d > room + tol:
+                    continue
+                key = d if by_rise else d - exc
+                if key < bslack:
+                    bslack = key
+                    bh = h
+                    bi = i
+        if bh < 0:
+            break
+        mark[bh] = stamp
+        ch_g[m] = bh
+        ch_i[m] = bi
+        m += 1
+        x = gpu_exp[bh, bi]
+        rise += size[x] - s_in
+        s_in = size[x]
+        e_in = x
+        if x != c and cur[k, x] == 0:
+            best_m = m
+            best_rise = rise
+    return best_m, best_rise
+
+
+@jit
+def _cycles(size, gpu_exp, cur, load, target, budget, hold, moves, cur_tmp):
+    """Exchange cycles (counts fixed) until no GPU is above ``target``.
+
+    Each cycle is the best of the chains (:func:`_chain_from`, both greedy rules) closed by the
+    :data:`CYCLE_CLOSERS` GPUs with the most room and each of their slots: the largest total
+    excess fixed (so that the GPUs hardest to fix go first), then the most GPUs fixed, then the
+    least rise (first found among equals); ``m + 1`` moves for ``m`` GPUs. Stops when no chain
+    fixes a GPU or the next cycle would exceed ``budget``. Updates the state in place; returns
+    the moves. Only GPUs above ``target`` and one light GPU per cycle change, each by one
+    replica in and one out, so the replica counts stay as they are."""
+    num_gpus, slots = gpu_exp.shape
+    tol = _REL_TOL * target
+    mark = np.zeros(num_gpus, dtype=np.int64)
+    ch_g = np.empty(num_gpus, dtype=np.int64)
+    ch_i = np.empty(num_gpus, dtype=np.int64)
+    bc_g = np.empty(num_gpus, dtype=np.int64)
+    bc_i = np.empty(num_gpus, dtype=np.int64)
+    closers = np.empty(CYCLE_CLOSERS, dtype=np.int64)
+    ckey = np.empty(CYCLE_CLOSERS)
+    stamp = 0
+    for _cycle in range(num_gpus):
+        heavy = 0
+        for g in range(num_gpus):
+            if load[g] > target + tol:
+                heavy += 1
+        if heavy == 0:
+            break
+        nc = 0
+        for g in range(num_gpus):
+            if load[g] < target - tol:
+                nc = _insert_sorted(closers, nc, CYCLE_CLOSERS, g, load[g] - target, ckey)
+        best_m = 0
+        best_rise = 0.0
+        best_fixed = 0.0
+        bk = bj = -1
+        for q in range(nc * slots * 2):
+            k = closers[q // (2 * slots)]
+            j = (q // 2) % slots
+            stamp += 1
+            m, rise = _chain_from(
+                size, gpu_exp, cur, load, target, tol, k, j, q % 2 == 1, mark, stamp, ch_g, ch_i
+            )
+            if m == 0:
+                continue
+            fixed = 0.0
+            for t in range(m):
+                fixed += load[ch_g[t]] - target
+            if fixed > best_fixed * (1.0 + _REL_TOL) or (
+                fixed >= best_fixed * (1.0 - _REL_TOL)
+                and (m > best_m or (m == best_m and rise < best_rise))
+            ):
+                best_m = m
+                best_rise = rise
+                best_fixed = fixed
+                bk = k
+                bj = j
+                bc_g[:m] = ch_g[:m]
+                bc_i[:m] = ch_i[:m]
+        if best_m == 0:
+            break
+        # apply: k's replica goes to the first GPU, each GPU's to the next, the last's to k
+        prev_e = gpu_exp[bk, bj]
+        for q in range(best_m):
+            g = bc_g[q]
+            out = gpu_exp[g, bc_i[q]]
+            gpu_exp[g, bc_i[q]] = prev_e
+            cur[g, out] -= 1
+            cur[g, prev_e] += 1
+            load[g] += size[prev_e] - size[out]
+            prev_e = out
+        c = gpu_exp[bk, bj]
+        gpu_exp[bk, bj] = prev_e
+        cur[bk, c] -= 1
+        cur[bk, prev_e] += 1
+        load[bk] += size[prev_e] - size[c]
+        new_moves = _moves(hold, gpu_exp, cur_tmp)
+        if new_moves > budget:  # undo the cycle and stop
+            gpu_exp[bk, bj] = c
+            cur[bk, prev_e] -= 1
+            cur[bk, c] += 1
+            load[bk] -= size[prev_e] - size[c]
+            for q in range(best_m - 1, -1, -1):
+                g = bc_g[q]
+                back = gpu_exp[g, bc_i[q]]  # what it received
+                gpu_exp[g, bc_i[q]] = prev_e
+                cur[g, back] -= 1
+                cur[g, prev_e] += 1
+                load[g] += size[prev_e] - size[back]
+                prev_e = back
+            break
+        moves = new_moves
+    return moves
+
+
+@jit
+def _restore(w, src_exp, src_cnt, src_cur, src_moves, gpu_exp, cnt, cur, size, load):
+    """Set the state (``gpu_exp``, ``cnt``, ``cur``, ``size``, ``load``) to a saved one;
+    returns its moves."""
+    gpu_exp[:, :] = src_exp
+    cnt[:] = src_cnt
+    cur[:, :] = src_cur
+    for e in range(w.shape[0]):
+        size[e] = w[e] / cnt[e]
+    _loads(size, gpu_exp, load)
+    return src_moves
+
+
+@jit
+def _better(val, moves, best_val, best_moves, limit):
+    """Whether ``(val, moves)`` beats ``(best_val, best_moves)``: at or below ``limit`` the
+    fewer moves (then the lower value) win, a state at or below it beats one above, and above
+    it the lower value (then fewer moves) wins."""
+    if val <= limit and best_val <= limit:
+        return moves < best_moves or (moves == best_moves and val < best_val)
+    if val <= limit or best_val <= limit:
+        return val <= limit
+    return val < best_val * (1.0 - _REL_TOL) or (
+        val <= best_val * (1.0 + _REL_TOL) and moves < best_moves
+    )
+
+
 @jit
 def _reclaim(w, hold, gpu_exp, cap, max_steps):
     """Undo moves that are not needed: while some change saves a move and keeps every GPU at or
@@ -572,16 +752,20 @@ def replan_subproblem(w, old_exp, target, budget, max_steps, gpu_exp):
        below the same limit); the donor gives up its replica on its most loaded GPU.
     2. **Keep, then fill**: every other old replica stays pinned in its slot; the new replicas
        fill the freed slots (:func:`_repack`).
-    3. **Excess descent** (:func:`_descend`) while some GPU is above ``target``: lower the
-       total excess ``sum_g max(0, load[g] - target)`` by the step of largest reduction per
-       move (free steps first, by reduction): a count change (any slot of an expert with two or
-       more replicas given to another expert, on a GPU above ``target`` or to an expert held by
-       one), a swap of a replica of a GPU above ``target`` with a smaller one elsewhere, or a
-       chain (GPUs above ``target`` ``h_1 .. h_m``, ``m >= 2``, each passing a replica to the
-       previous one, ``h_1``'s going to a light GPU that passes one to ``h_m``: about ``m + 1``
-       moves for ``m`` GPUs). A step's cost is its change in moves; steps beyond ``budget`` are
-       skipped; ties: lowest GPU, slot, expert. The result is kept if it beats the filled
-       state (lower maximum, then fewer moves).
+    3. **Exchange cycles** (:func:`_cycles`, counts fixed): cycles of GPUs above ``target``
+       each passing a replica to the next, closed by a light GPU, ``m + 1`` moves for ``m``
+       GPUs; if some GPU stays above ``target``, the **excess descent** (:func:`_descend`)
+       continues from there: lower the total excess ``sum_g max(0, load[g] - target)`` by the
+       step of largest reduction per move (free steps first, by reduction): a count change
+       (any slot of an expert with two or more replicas given to another expert, on a GPU
+       above ``target`` or to an expert held by one), a swap of a replica of a GPU above
+       ``target`` with a smaller one elsewhere, or a chain (GPUs above ``target`` ``h_1 ..
+       h_m``, ``m >= 2``, each passing a replica to the previous one, ``h_1``'s going to a
+       light GPU that passes one to ``h_m``). A step's cost is its change in moves; steps
+       beyond ``budget`` are skipped; ties: lowest GPU, slot, expert. If that still ends above
+       ``target``, the descent alone from the filled state is tried too. A result replaces the
+       state before it when it is better (:func:`_better`: fewer moves among states at or
+       below ``target``, else the lower maximum).
     4. **Local search** while the most loaded GPU ``gm`` is above ``target``: swap a replica of
        ``gm`` with a smaller one on another GPU (no GPU may get two replicas of one expert), or
        give a slot of ``gm`` held by an expert with two or more replicas to one of the four
@@ -726,28 +910,45 @@ def replan_subproblem(w, old_exp, target, budget, max_steps, gpu_exp):
     for g in range(num_gpus):
         for i in range(slots):
             cur[g, gpu_exp[g, i]] += 1
-    # 3a. Excess descent from the filled state; kept if it improves on it.
+    filled_exp = gpu_exp.copy()
+    filled_val = best_val
+    filled_moves = moves
+    cnt0 = cnt.copy()
+    cur0 = cur.copy()
+    # 3a. Exchange cycles (counts fixed) from the filled state, the excess descent finishing if
+    # they fall short; kept if better than the filled state.
     if best_val > target + tol and moves <= budget:
-        cnt0 = cnt.copy()
-        cur0 = cur.copy()
-        moves = _descend(
-            w, size, cnt, hold, cur, gpu_exp, load, target, budget, moves, max_steps, cur_tmp
-        )
+        moves = _cycles(size, gpu_exp, cur, load, target, budget, hold, moves, cur_tmp)
+        if load[_argmax(load)] > target + tol:
+            moves = _descend(
+                w, size, cnt, hold, cur, gpu_exp, load, target, budget, moves, max_steps, cur_tmp
+            )
         val = load[_argmax(load)]
-        if val < best_val * (1.0 - _REL_TOL) or (
-            val <= best_val * (1.0 + _REL_TOL) and moves < best_moves
-        ):
+        if _better(val, moves, best_val, best_moves, target + tol):
             best_val = val
             best_moves = moves
             best_exp[:, :] = gpu_exp
         else:
-            gpu_exp[:, :] = best_exp
-            cnt[:] = cnt0
-            cur[:, :] = cur0
-            for e in range(num_log):
-                size[e] = w[e] / cnt[e]
-            _loads(size, gpu_exp, load)
-            moves = best_moves
+            moves = _restore(w, best_exp, cnt0, cur0, best_moves, gpu_exp, cnt, cur, size, load)
+    # 3b. The excess descent alone from the filled state (it may find fewer moves).
+    if filled_val > target + tol and filled_moves <= budget:
+        keep_exp = gpu_exp.copy()
+        keep_cnt = cnt.copy()
+        keep_cur = cur.copy()
+        keep_moves = moves
+        moves = _restore(w, filled_exp, cnt0, cur0, filled_moves, gpu_exp, cnt, cur, size, load)
+        moves = _descend(
+            w, size, cnt, hold, cur, gpu_exp, load, target, budget, moves, max_steps, cur_tmp
+        )
+        val = load[_argmax(load)]
+        if _better(val, moves, best_val, best_moves, target + tol):
+            best_val = val
+            best_moves = moves
+            best_exp[:, :] = gpu_exp
+        else:
+            moves = _restore(
+                w, keep_exp, keep_cnt, keep_cur, keep_moves, gpu_exp, cnt, cur, size, load
+            )
     for _step in range(max_steps):
         if best_val <= target + tol or moves > budget:
             break

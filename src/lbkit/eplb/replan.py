@@ -32,12 +32,15 @@ the fresh plan's ``moe_lb`` is kept as it is (zero drift moves nothing):
    ``T``; then that expert gains a replica from the expert that loses least.
 2. **Keep, then fill**: every other old replica stays; the new replicas fill the freed slots,
    largest first, each into the lightest GPU with a free slot.
-3. **Excess descent**: while some GPU is above ``T``, the step that lowers the total excess
-   ``sum_g max(0, load_g - T)`` most per move: a count change (one slot given from an expert
-   with several replicas to another expert: one move), a swap of a replica of a GPU above ``T``
-   with a smaller one elsewhere (two moves), or a chain of exchanges (``m`` GPUs above ``T``
-   each passing a replica to the next, the first one's going to a light GPU that passes one to
-   the last: ``m + 1`` moves for ``m`` GPUs). Only GPUs above ``T`` are ever unloaded; a local
+3. **Exchange cycles**: GPUs above ``T`` are fixed by cycles that keep replica counts: ``m``
+   GPUs above ``T`` each pass a replica to the next, larger than the one they receive by at
+   least their excess, and a light GPU closes the cycle (``m + 1`` moves for ``m`` GPUs; the
+   fixed-count lower bound on moves is ``H + k`` for ``H`` GPUs above ``T`` and ``k`` light
+   GPUs whose room covers the excess). If some GPU stays above ``T``, the **excess descent**
+   continues: the step that lowers the total excess ``sum_g max(0, load_g - T)`` most per
+   move: a count change (one slot given from an expert with several replicas to another
+   expert: one move), a swap of a replica of a GPU above ``T`` with a smaller one elsewhere
+   (two moves), or a chain of exchanges. Only GPUs above ``T`` are ever unloaded; a local
    search on the most loaded GPU follows if the descent stops short.
 4. The best state within the movement budget is kept (lowest largest load, then fewest moves),
    then moves that are not needed are given back (a swap or count change that saves a move
@@ -55,11 +58,15 @@ plan's assignment, kept if its largest GPU load is lower by more than ``t``. Mov
 group moves all of its replicas, typically an eighth of a layer's slots or more.
 
 **Budgets**: ``max_moves`` caps moves per layer (candidates above it are dropped);
-``max_moves_total`` caps their sum. When the result above exceeds the total budget, every layer
-is re-planned at ``t = tolerance`` at a ladder of budgets and one result per layer is chosen to
-minimise the mean ``moe_lb`` within the total (Lagrangian relaxation: the smallest price per move
-at which the chosen results fit, found by bisection). :func:`replan_tradeoff` returns the curve
-of (moves, moe_lb) over a few budgets.
+``max_moves_total`` caps their sum. With a total budget the candidates of every layer are those
+of the mean mode at ``tolerance`` and at :data:`DEFAULT_TOLERANCE` (the default re-plan's), and
+the re-plans at ``t = tolerance`` at a ladder of per-layer budgets (factors of 1.5 up to that
+layer's moves); one candidate per layer is chosen exactly within the total (the dynamic
+programme above, restricted to totals within the budget): the fewest moves reaching the mean
+target if any choice within the budget does, else the lowest mean ``moe_lb``. The candidates do
+not depend on the total, so a larger total never gives a mean ``moe_lb`` above both a smaller
+one's and the target, nor above both the default re-plan's (when its moves fit) and the target.
+:func:`replan_tradeoff` returns the curve of (moves, moe_lb) over a few budgets.
 """
 
 from __future__ import annotations
@@ -441,6 +448,7 @@ class _Context(NamedTuple):
     fresh_lb: np.ndarray  # (layers,) its moe_lb
     fresh_max: np.ndarray  # (layers,) its largest GPU load
     old_lb: np.ndarray  # (layers,) moe_lb of the old plan under the new loads
+    memo: dict[tuple[int, float, int], tuple[np.ndarray, int, bool]]  # _replan_one's results
 
 
 def _context(args: _Replan) -> _Context:
@@ -481,6 +489,7 @@ def _context(args: _Replan) -> _Context:
         fresh_lb,
         fresh_lb * w.sum(axis=1) / p.num_gpus,
         moe_lb(w, prev, num_gpus=p.num_gpus),
+        {},
     )
 
 
@@ -494,7 +503,18 @@ def _replan_one(
     args: _Replan, ctx: _Context, layer: int, tol: float, budget: int
 ) -> tuple[np.ndarray, int, bool]:
     """Re-plan one layer at per-layer tolerance ``tol``: ``(row, moves, regrouped)``; the old
-    row with zero moves unless the result is strictly better than keeping it."""
+    row with zero moves unless the result is strictly better than keeping it. Memoised in
+    ``ctx.memo`` (the total-budget mode asks for some results twice)."""
+    key = (layer, tol, budget)
+    if key not in ctx.memo:
+        ctx.memo[key] = _replan_one_uncached(args, ctx, layer, tol, budget)
+    row, used, regrouped = ctx.memo[key]
+    return row.copy(), used, regrouped
+
+
+def _replan_one_uncached(
+    args: _Replan, ctx: _Context, layer: int, tol: float, budget: int
+) -> tuple[np.ndarray, int, bool]:
     p = args.problem
     w, prev = p.weight[layer], args.previous[layer]
     fresh_max = float(ctx.fresh_max[layer])
@@ -528,9 +548,11 @@ def _replan_one(
     return row, used, bool(regrouped)
 
 
-def _replan_all(args: _Replan, budgets: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _replan_all(
+    args: _Replan, budgets: np.ndarray, ctx: _Context | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Re-plan every layer at the per-layer tolerance: ``(phy2log, moves, regrouped)``."""
-    ctx = _context(args)
+    ctx = _context(args) if ctx is None else ctx
     layers = args.previous.shape[0]
     phy2log = args.previous.copy()
     moves = np.zeros(layers, dtype=np.int64)
@@ -577,22 +599,27 @@ def _matched_fresh(prev: np.ndarray, fresh: np.ndarray, args: _Replan) -> tuple[
     return row, moves
 
 
-def _select(moves: np.ndarray, lb: np.ndarray, cap: float) -> np.ndarray:
-    """Exact choice of one candidate per layer: the fewest total moves such that ``sum(lb) <=
-    cap``, then the smallest ``sum(lb)``; the choice with the smallest ``sum(lb)`` (then fewest
-    moves) if none fits. ``moves`` (int) and ``lb`` are ``(layers, C)``; ``lb = inf`` marks a
-    missing candidate. Dynamic programme over the total moves (a multiple-choice knapsack);
-    ties: lowest candidate index.
+def _select(moves: np.ndarray, lb: np.ndarray, cap: float, limit: int | None = None) -> np.ndarray:
+    """Exact choice of one candidate per layer with at most ``limit`` total moves (default: no
+    limit): the fewest total moves such that ``sum(lb) <= cap``, then the smallest ``sum(lb)``;
+    the choice with the smallest ``sum(lb)`` (then fewest moves) if none fits. ``moves`` (int)
+    and ``lb`` are ``(layers, C)``; ``lb = inf`` marks a missing candidate, and some candidate
+    of every layer must have at most ``limit`` moves (column 0 has zero moves in every
+    caller). Dynamic programme over the total moves (a multiple-choice knapsack); ties: lowest
+    candidate index.
 
-    Runtime complexity: O(layers × C × total moves of the largest candidates).
+    Runtime complexity: O(layers × C × min(limit, total moves of the largest candidates)).
     """
     layers, width = lb.shape
     ok = np.isfinite(lb)
     m = np.where(ok, moves, 0).astype(np.int64)
     top = int(np.where(ok, m, 0).max(axis=1).sum())
+    if limit is not None:
+        ok &= m <= limit
+        top = min(top, int(limit))
     best = np.zeros(top + 1)  # best[t]: smallest sum of lb with exactly t moves so far
     best[1:] = np.inf
-    arg = np.zeros((layers, top + 1), dtype=np.int16)  # candidate index (at most 14 per layer)
+    arg = np.zeros((layers, top + 1), dtype=np.int16)  # candidate index
     for i in range(layers):
         nxt = np.full(top + 1, np.inf)
         for c in range(width):
@@ -620,20 +647,24 @@ def _select(moves: np.ndarray, lb: np.ndarray, cap: float) -> np.ndarray:
 #: slots / 32 GPUs, drift 0.05-0.1, seeds 1-5) for about twice the time.
 _LEVELS = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.2, 1.3, 1.4, 1.6, 2.0)
 
+#: One candidate of one layer: ``(moves, moe_lb, phy2log row, regrouped)``.
+_Candidate = tuple[int, float, np.ndarray, bool]
 
-def _replan_mean(args: _Replan, budgets: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Mean mode: candidates per layer, then the fewest moves with the mean ``moe_lb`` within
-    ``tolerance`` of the fresh plan's (module docstring)."""
+
+def _mean_candidates(
+    args: _Replan, ctx: _Context, tolerance: float, budgets: np.ndarray
+) -> list[list[_Candidate]]:
+    """Candidates of every layer in the mean mode at ``tolerance`` (module docstring): the old
+    row first, the matched fresh plan, then the re-plans at the per-layer levels."""
     p = args.problem
-    ctx = _context(args)
     prev = args.previous
     layers = prev.shape[0]
-    levels = sorted({args.tolerance * f for f in _LEVELS}, reverse=True)  # loose first
-    cands: list[list[tuple[int, float, np.ndarray, bool]]] = []
+    levels = sorted({tolerance * f for f in _LEVELS}, reverse=True)  # loose first
+    cands: list[list[_Candidate]] = []
     for layer in range(layers):
         budget = int(budgets[layer])
         w = p.weight[layer]
-        opts = [(0, float(ctx.old_lb[layer]), prev[layer], False)]
+        opts: list[_Candidate] = [(0, float(ctx.old_lb[layer]), prev[layer], False)]
         if ctx.old_lb[layer] > ctx.fresh_lb[layer] * (1.0 + min(levels)):
             row, used = _matched_fresh(prev[layer], ctx.fresh[layer], args)
             if used <= budget:
@@ -654,16 +685,32 @@ def _replan_mean(args: _Replan, budgets: np.ndarray) -> tuple[np.ndarray, np.nda
             if used > 0:
                 opts.append((used, v, row, regroup))
         cands.append(opts)
+    return cands
+
+
+def _choose(
+    cands: list[list[_Candidate]], cap: float, limit: int | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One candidate per layer by :func:`_select`: ``(phy2log, moves, regrouped)``."""
+    layers = len(cands)
     width = max(len(c) for c in cands)
     m = np.zeros((layers, width), dtype=np.int64)
     v = np.full((layers, width), np.inf)
     for i, opts in enumerate(cands):
         for j, (used, lb, _, _) in enumerate(opts):
             m[i, j], v[i, j] = used, lb
-    choice = _select(m, v, float(ctx.fresh_lb.sum()) * (1.0 + args.tolerance))
+    choice = _select(m, v, cap, limit)
     phy2log = np.stack([cands[i][choice[i]][2] for i in range(layers)])
     regrouped = np.array([cands[i][choice[i]][3] for i in range(layers)], dtype=bool)
     return phy2log, m[np.arange(layers), choice], regrouped
+
+
+def _replan_mean(args: _Replan, budgets: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Mean mode: candidates per layer, then the fewest moves with the mean ``moe_lb`` within
+    ``tolerance`` of the fresh plan's (module docstring)."""
+    ctx = _context(args)
+    cands = _mean_candidates(args, ctx, args.tolerance, budgets)
+    return _choose(cands, float(ctx.fresh_lb.sum()) * (1.0 + args.tolerance))
 
 
 def _budget_ladder(limit: int) -> list[int]:
@@ -676,43 +723,39 @@ def _budget_ladder(limit: int) -> list[int]:
 
 
 def _replan_total(args: _Replan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Re-plan under a total budget (module docstring)."""
+    """Re-plan under the total budget ``args.total`` (module docstring). The candidates do not
+    depend on the total, so that (mean scope) a larger total never gives a mean ``moe_lb``
+    above both a smaller total's and the tolerance target, and never above both the default
+    re-plan's (when its moves fit) and the target."""
     p = args.problem
-    first = _replan_all(args, args.budget)
-    if first[1].sum() <= args.total:
-        return first
+    ctx = _context(args)
     layers = p.weight.shape[0]
-    mean = np.maximum(p.weight.sum(axis=1) / p.num_gpus, 1e-300)
-    ladders = [_budget_ladder(int(first[1][i])) for i in range(layers)]
-    levels = max(len(lad) for lad in ladders)
-    runs = []
-    for k in range(levels):
+    cap = float(ctx.fresh_lb.sum()) * (1.0 + args.tolerance)
+    first = _replan_all(args, args.budget, ctx)
+    if args.scope == "mean":
+        cands = _mean_candidates(args, ctx, args.tolerance, args.budget)
+    elif first[1].sum() <= args.total:
+        return first
+    else:
+        cands = [[(0, float(ctx.old_lb[i]), args.previous[i], False)] for i in range(layers)]
+    if args.tolerance != DEFAULT_TOLERANCE or args.scope != "mean":
+        # The default re-plan's candidates: never worse than the default when it fits.
+        extra = _mean_candidates(args, ctx, DEFAULT_TOLERANCE, args.budget)
+        for opts, more in zip(cands, extra, strict=True):
+            opts.extend(more[1:])
+    ladders = [[b for b in _budget_ladder(int(first[1][i])) if b > 0] or [0] for i in range(layers)]
+    runs = [first]
+    for k in range(max(len(lad) for lad in ladders)):
         b = np.array([lad[min(k, len(lad) - 1)] for lad in ladders], dtype=np.int64)
-        runs.append(first if k == levels - 1 and (b == args.budget).all() else _replan_all(args, b))
-    cand_m = np.array([r[1] for r in runs])  # (levels, layers)
-    cand_v = np.array(
-        [moe_lb(p.weight, r[0], num_gpus=p.num_gpus) for r in runs]
-    )  # (levels, layers)
-    del mean
-
-    def pick(price: float) -> np.ndarray:
-        return np.lexsort((cand_m, cand_v + price * cand_m), axis=0)[0]
-
-    lo, hi = 0.0, 1.0
-    while cand_m[pick(hi), np.arange(layers)].sum() > args.total and hi < 1e12:
-        hi *= 4.0
-    for _ in range(60):
-        mid = 0.5 * (lo + hi)
-        if cand_m[pick(mid), np.arange(layers)].sum() > args.total:
-            lo = mid
-        else:
-            hi = mid
-    choice = pick(hi)
-    cols = np.arange(layers)
-    if cand_m[choice, cols].sum() > args.total:  # cannot happen: level 0 has zero moves
-        choice = np.zeros(layers, dtype=np.int64)
-    phy2log = np.stack([runs[choice[i]][0][i] for i in range(layers)])
-    return phy2log, cand_m[choice, cols], np.array([runs[choice[i]][2][i] for i in cols])
+        runs.append(_replan_all(args, b, ctx))
+    for run in runs:
+        for i in range(layers):
+            if run[1][i] > 0:
+                v = float(moe_lb(p.weight[i : i + 1], run[0][i : i + 1], num_gpus=p.num_gpus)[0])
+                cands[i].append((int(run[1][i]), v, run[0][i], bool(run[2][i])))
+    if args.scope != "mean":
+        cap = -np.inf  # layer scope: the lowest mean within the total
+    return _choose(cands, cap, args.total)
 
 
 def _moves_list(prev: np.ndarray, new: np.ndarray, num_gpus: int, num_nodes: int) -> ExpertMoves:
@@ -773,7 +816,9 @@ def replan_experts(
     max_moves : int or array_like of int, shape (layers,), optional
         Moves allowed per layer (default: unlimited). ``0`` keeps the old plan.
     max_moves_total : int, optional
-        Moves allowed over all layers (default: unlimited); combined with ``max_moves``.
+        Moves allowed over all layers (default: unlimited); combined with ``max_moves``. The
+        fewest moves reaching the tolerance target within it, else the lowest mean ``moe_lb``
+        within it (module docstring); never worse than the default re-plan when that one fits.
     tolerance : float, default :data:`DEFAULT_TOLERANCE`
         Relative gap to a fresh default plan on the new loads that the re-plan may keep: of
         the mean ``moe_lb`` over layers (``tolerance_scope="mean"``), or the per-layer target
@@ -806,8 +851,9 @@ def replan_experts(
 
     Runtime complexity: O(layers × (lower bound + U × R × (E + R))) for ``U`` descent steps
     (about one per GPU above target) over ``R`` slots and ``E`` experts per sub-problem, times
-    the five per-layer tolerances in the mean scope, plus O(layers × 7 × total moves) for the
-    choice; with ``max_moves_total`` exceeded about ``log1.5(moves)`` times the layer scope.
+    the twelve per-layer tolerances in the mean scope, plus O(layers × 14 × total moves) for
+    the choice; with ``max_moves_total``, the mean scope twice (at ``tolerance`` and the
+    default) plus about ``log1.5(moves per layer)`` times the layer scope.
 
     Examples
     --------
@@ -840,12 +886,12 @@ def replan_experts(
         tolerance_scope,
     )
     p = args.problem
-    if args.scope == "mean":
+    if args.total is not None:
+        phy2log, moves, regrouped = _replan_total(args)
+    elif args.scope == "mean":
         phy2log, moves, regrouped = _replan_mean(args, args.budget)
     else:
         phy2log, moves, regrouped = _replan_all(args, args.budget)
-    if args.total is not None and moves.sum() > args.total:
-        phy2log, moves, regrouped = _replan_total(args)
     logcnt = np.zeros_like(p.weight, dtype=np.int64)
     layers, slots = phy2log.shape
     np.add.at(logcnt, (np.repeat(np.arange(layers), slots), phy2log.ravel()), 1)
