@@ -26,7 +26,7 @@ SERVERS = (
 )
 
 
-def _binaries() -> dict[str, str]:
+def server_binaries() -> dict[str, str]:
     out = {}
     for module, rel in SERVERS:
         spec = importlib.util.find_spec(module)
@@ -37,7 +37,7 @@ def _binaries() -> dict[str, str]:
     return out
 
 
-def _start(binary: str) -> tuple[subprocess.Popen, int]:
+def start_server(binary: str) -> tuple[subprocess.Popen, int]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -65,8 +65,8 @@ def main() -> None:
 
     lbkit.warmup()
     kv = np.random.default_rng(0).integers(100, 8000, args.admissions).tolist()
-    for name, binary in sorted(_binaries().items()):
-        proc, port = _start(binary)
+    for name, binary in sorted(server_binaries().items()):
+        proc, port = start_server(binary)
         try:
             store = RedisStore(f"redis://127.0.0.1:{port}/0", namespace="lat", budget_s=1.0)
             client = store._client

