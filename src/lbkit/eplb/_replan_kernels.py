@@ -947,7 +947,6 @@ def replan_subproblem(w, old_exp, target, budget, max_steps, gpu_exp):
         for i in range(slots):
             cur[g, gpu_exp[g, i]] += 1
     filled_exp = gpu_exp.copy()
-    filled_val = best_val
     filled_moves = moves
     cnt0 = cnt.copy()
     cur0 = cur.copy()
