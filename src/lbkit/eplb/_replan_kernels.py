@@ -18,7 +18,7 @@ import numpy as np
 from lbkit.core._jit import jit
 from lbkit.eplb._primitives import _argmax, _holds, _insert_sorted
 
-__all__ = ["count_moves", "replan_subproblem", "warmup"]
+__all__ = ["count_moves", "place_slots", "replan_subproblem", "warmup"]
 
 _REL_TOL = 1e-12
 
@@ -46,6 +46,42 @@ def count_moves(old_exp, new_exp, num_experts):
             if old_exp[g, i] >= 0:
                 diff[old_exp[g, i]] = 0
     return total
+
+
+@jit
+def place_slots(prev, new, out):
+    """Slots of every GPU (rows of ``prev`` and ``new``, ``(G, S)`` expert ids): a replica of
+    ``new`` that ``prev`` holds keeps its slot (earliest such slot first), the other replicas
+    of ``new`` fill the remaining slots in increasing expert order, lowest slot first."""
+    num_gpus, slots = prev.shape
+    taken = np.zeros(slots, dtype=np.bool_)
+    for g in range(num_gpus):
+        for j in range(slots):
+            taken[j] = False
+            out[g, j] = -1
+        for i in range(slots):
+            e = prev[g, i]
+            for j in range(slots):
+                if not taken[j] and new[g, j] == e:
+                    taken[j] = True
+                    out[g, i] = e
+                    break
+        rest = np.sort(new[g])
+        # drop the kept ones from the sorted rest (each once), then fill the free slots
+        used = np.zeros(slots, dtype=np.bool_)
+        for i in range(slots):
+            if out[g, i] >= 0:
+                for r in range(slots):
+                    if not used[r] and rest[r] == out[g, i]:
+                        used[r] = True
+                        break
+        r = 0
+        for i in range(slots):
+            if out[g, i] < 0:
+                while used[r]:
+                    r += 1
+                out[g, i] = rest[r]
+                used[r] = True
 
 
 @jit
@@ -911,7 +947,6 @@ def replan_subproblem(w, old_exp, target, budget, max_steps, gpu_exp):
         for i in range(slots):
             cur[g, gpu_exp[g, i]] += 1
     filled_exp = gpu_exp.copy()
-    filled_val = best_val
     filled_moves = moves
     cnt0 = cnt.copy()
     cur0 = cur.copy()
@@ -930,8 +965,8 @@ def replan_subproblem(w, old_exp, target, budget, max_steps, gpu_exp):
             best_exp[:, :] = gpu_exp
         else:
             moves = _restore(w, best_exp, cnt0, cur0, best_moves, gpu_exp, cnt, cur, size, load)
-    # 3b. The excess descent alone from the filled state (it may find fewer moves).
-    if filled_val > target + tol and filled_moves <= budget:
+    # 3b. Still above the target: the excess descent alone from the filled state.
+    if best_val > target + tol and filled_moves <= budget:
         keep_exp = gpu_exp.copy()
         keep_cnt = cnt.copy()
         keep_cur = cur.copy()
@@ -1067,3 +1102,5 @@ def warmup() -> None:
     out = np.empty_like(old)
     replan_subproblem(w, old, 4.0, 10, 16, out)
     count_moves(old, out, 4)
+    placed = np.empty_like(old)
+    place_slots(old, out, placed)

@@ -409,9 +409,10 @@ def _replan_layer(
             return prev.copy(), budget + 1
         left -= used
         total += used
-        for gl in range(g_per_node):
-            base = n * phy_per_node + gl * per_gpu
-            new[base : base + per_gpu] = _place(prev[base : base + per_gpu], local2log[out[gl]])
+        seg = slice(n * phy_per_node, (n + 1) * phy_per_node)
+        placed = np.empty_like(out)
+        _replan_kernels.place_slots(prev[seg].reshape(g_per_node, per_gpu), local2log[out], placed)
+        new[seg] = placed.ravel()
     return new, total
 
 
@@ -493,6 +494,15 @@ def _context(args: _Replan) -> _Context:
     )
 
 
+def _row_lb(w: np.ndarray, row: np.ndarray, num_gpus: int) -> float:
+    """``moe_lb`` of one layer's ``phy2log`` row (the arithmetic of :func:`moe_lb`, without
+    its validation: called for every candidate)."""
+    cnt = np.bincount(row, minlength=len(w)).astype(np.float64)
+    load = (w[row] / cnt[row]).reshape(num_gpus, -1).sum(axis=1)
+    mean = load.mean()
+    return float(load.max() / mean) if mean > 0 else 1.0
+
+
 def _row_max(w: np.ndarray, row: np.ndarray, num_gpus: int) -> float:
     """Largest GPU load of one layer's ``phy2log`` row."""
     cnt = np.bincount(row, minlength=len(w))
@@ -540,7 +550,7 @@ def _replan_one_uncached(
             if used2 <= budget and _row_max(w, row2, p.num_gpus) < lb_row * (1.0 - tol):
                 row, used, part = row2, used2, fp
     # Never worse than keeping the old plan, and strictly better if anything moves.
-    new_lb = moe_lb(w[None, :], row[None, :], num_gpus=p.num_gpus)[0]
+    new_lb = _row_lb(w, row, p.num_gpus)
     old_lb = ctx.old_lb[layer]
     if new_lb > old_lb or (used > 0 and new_lb >= old_lb * (1.0 - 1e-12)):
         return prev.copy(), 0, False
@@ -668,7 +678,7 @@ def _mean_candidates(
         if ctx.old_lb[layer] > ctx.fresh_lb[layer] * (1.0 + min(levels)):
             row, used = _matched_fresh(prev[layer], ctx.fresh[layer], args)
             if used <= budget:
-                f_lb = float(moe_lb(w[None, :], row[None, :], num_gpus=p.num_gpus)[0])
+                f_lb = _row_lb(w, row, p.num_gpus)
                 parts = ctx.old_parts
                 regroup = parts is not None and not np.array_equal(
                     _old_partition(row[None, :], len(w), args.num_groups, args.num_nodes)[0],
@@ -680,7 +690,7 @@ def _mean_candidates(
             if reached <= ctx.fresh_lb[layer] * (1.0 + tol) * (1.0 + 1e-12):
                 continue  # a looser level's result already meets this one
             row, used, regroup = _replan_one(args, ctx, layer, tol, budget)
-            v = float(moe_lb(w[None, :], row[None, :], num_gpus=p.num_gpus)[0])
+            v = _row_lb(w, row, p.num_gpus)
             reached = min(reached, v)
             if used > 0:
                 opts.append((used, v, row, regroup))
@@ -849,8 +859,9 @@ def replan_experts(
         wrong shape, naming unknown experts, missing an expert or (hierarchical) splitting a
         group across nodes; negative budgets or tolerances; an unknown ``tolerance_scope``.
 
-    Runtime complexity: O(layers × (lower bound + U × R × (E + R))) for ``U`` descent steps
-    (about one per GPU above target) over ``R`` slots and ``E`` experts per sub-problem, times
+    Runtime complexity: O(layers × (lower bound + C × G² × S² + U × R × (E + R))) for ``C``
+    exchange cycles of ``G`` GPUs of ``S`` slots, and ``U`` descent steps (only where the cycles
+    fall short) over ``R`` slots and ``E`` experts per sub-problem, times
     the twelve per-layer tolerances in the mean scope, plus O(layers × 14 × total moves) for
     the choice; with ``max_moves_total``, the mean scope twice (at ``tolerance`` and the
     default) plus about ``log1.5(moves per layer)`` times the layer scope.
