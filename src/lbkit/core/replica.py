@@ -204,6 +204,17 @@ class ReplicaLink:
         self.share = 1.0 if tb <= 0 else min(1.0, max(MIN_SHARE, ob / tb))
         return True
 
+    def statistics(self) -> dict[str, int]:
+        """The ``store_*`` fields of a balancer's statistics: views, fallbacks, errors, and
+        reconnects (rebuilds included)."""
+        c = self.counts
+        return {
+            "store_views": c["views"],
+            "store_fallbacks": c["fallbacks"],
+            "store_errors": c["errors"],
+            "store_reconnects": c["reconnects"] + c["rebuilds"],
+        }
+
     def view(self, own: np.ndarray) -> np.ndarray:
         """The foreign load for a decision, shape ``(columns, num_ranks)`` int64: from the
         store, or the fallback estimate (counted) when the store does not answer."""

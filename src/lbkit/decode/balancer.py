@@ -985,15 +985,7 @@ class DecodeBalancer:
         )
 
     def _store_counts(self) -> dict[str, int]:
-        if self._link is None:
-            return {}
-        c = self._link.counts
-        return {
-            "store_views": c["views"],
-            "store_fallbacks": c["fallbacks"],
-            "store_errors": c["errors"],
-            "store_reconnects": c["reconnects"] + c["rebuilds"],
-        }
+        return {} if self._link is None else self._link.statistics()
 
     def _check(self) -> None:
         """Assert every internal invariant (for tests; O(ranks + requests))."""

@@ -346,15 +346,7 @@ class PrefillBalancer:
             self._link.publish(self._own())
 
     def _store_counts(self) -> dict[str, int]:
-        if self._link is None:
-            return {}
-        c = self._link.counts
-        return {
-            "store_views": c["views"],
-            "store_fallbacks": c["fallbacks"],
-            "store_errors": c["errors"],
-            "store_reconnects": c["reconnects"] + c["rebuilds"],
-        }
+        return {} if self._link is None else self._link.statistics()
 
     def requests_on(self, engine: int, rank: int) -> tuple[Hashable, ...]:
         """Request ids queued or running on a rank, in FIFO order."""
