@@ -64,8 +64,7 @@ requests) (vectorised); :meth:`report` O(requests on the rank); :meth:`remove_ra
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -80,9 +79,19 @@ from lbkit.core.validation import as_int_array, as_rng, check_choice, check_int,
 from lbkit.decode import _kernels as K
 from lbkit.decode._state import DEFAULT_COST, capacity_iv, params
 from lbkit.decode.foreign import ForeignLoad, foreign_iv
-from lbkit.decode.migration import MIGRATION_SOURCES, ROOM_MAX_MOVES, _plan_on, _room_on
+from lbkit.decode.ledger import EXPECT, GEN, KV, MAX_RANK_TOKENS, MAX_TOKENS, ORDER, RANK, Ledger
+from lbkit.decode.migration import MIGRATION_SOURCES, ROOM_MAX_MOVES, plan_on, room_on
+from lbkit.decode.persistence import COST_FIELDS, STATE_VERSION, caps_list, read_config, read_state
 from lbkit.decode.policies import DEFAULT_POLICY, POLICIES, POLICY_CODES, Decision
 from lbkit.decode.reasons import BATCH_FULL, FULL, KV_FULL, PLACED, REASONS
+from lbkit.decode.results import (
+    COUNTERS,
+    DecodeStatistics,
+    Migration,
+    RemovedRequests,
+    ReportResult,
+    RequestInfo,
+)
 
 __all__ = [
     "DecodeBalancer",
@@ -93,8 +102,6 @@ __all__ = [
     "RequestInfo",
 ]
 
-_STATE_VERSION = 1
-_RANK, _KV, _GEN, _EXPECT, _ORDER = range(5)
 _REFUSED = tuple(Decision(-1, reason) for reason in REASONS)
 #: Refusals that room on one rank would have avoided (the pool is not empty of room).
 _NO_ROOM = frozenset(REASONS.index(r) for r in (BATCH_FULL, KV_FULL, FULL))
@@ -102,115 +109,11 @@ _NO_ROOM = frozenset(REASONS.index(r) for r in (BATCH_FULL, KV_FULL, FULL))
 DEFAULT_MAX_MIGRATIONS = 1
 #: Steps of KV growth kept free on a rank freed for a waiting request.
 ROOM_GROW_STEPS = 4
-_MAX_TOKENS = 2**52  # per request: sums stay exact in the float64 state matrix
-
-
-class RemovedRequests(NamedTuple):
-    """Requests handed back by :meth:`DecodeBalancer.remove_rank`, oldest first."""
-
-    request_ids: tuple[Hashable, ...]
-    kv_tokens: tuple[int, ...]
-
-
-class ReportResult(NamedTuple):
-    """Result of :meth:`DecodeBalancer.report`.
-
-    Attributes
-    ----------
-    accepted : bool
-        False for a stale report (sequence number not newer than the last accepted one).
-    corrected : bool
-        Whether the ledger's KV tokens were set to the reported ones.
-    drift_requests, drift_kv_tokens : int
-        Reported minus ledger, before any correction (0 for a stale report).
-    """
-
-    accepted: bool
-    corrected: bool
-    drift_requests: int
-    drift_kv_tokens: int
-
-
-class RequestInfo(NamedTuple):
-    """Ledger entry of a running request (``expected_output_tokens`` is -1 when unknown)."""
-
-    rank: int
-    kv_tokens: int
-    generated_tokens: int
-    expected_output_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class DecodeStatistics:
-    """Snapshot of a :class:`DecodeBalancer` (plain tuples and numbers; safe to keep).
-
-    Per rank: ``num_requests``, ``kv_tokens`` (the ledger's), ``foreign_requests``,
-    ``foreign_kv_tokens`` (other routers' load, :meth:`DecodeBalancer.set_foreign_load`),
-    ``rank_state`` (``"active"``, ``"draining"``, ``"out"``). Balance of the totals (ledger
-    plus foreign load) over ranks in service (active or draining): ``count_imbalance`` and
-    ``kv_imbalance`` (max/mean, 1.0 when idle) and ``step_time_s`` (the modelled engine step
-    under ``cost``, ``DecodeCost.engine_step_s``: slowest rank plus the shared expert cost).
-    ``over_capacity``: ranks whose total KV grew past ``max_kv_tokens``.
-    Counters: ``running``, ``admitted``, ``refused`` (with ``refused_by_reason``), ``finished``,
-    ``aborted``, ``handed_back``, ``steps``; reports ``reports_accepted``, ``reports_stale``,
-    ``reports_corrected``; drift (reported minus ledger) of the last accepted report
-    (``drift_requests_last``, ``drift_kv_tokens_last``), the largest absolute drift
-    (``drift_requests_max``, ``drift_kv_tokens_max``) and the summed absolute KV drift
-    (``drift_kv_tokens_total``); ``migrated`` (every move) and ``migrated_for_room`` (those
-    :meth:`DecodeBalancer.rebalance` made to free a rank for a refused request; they come first
-    in its result and do not count against ``max_moves``). With a store: ``store_views`` (good
-    store calls), ``store_fallbacks`` (decisions on the fallback estimate), ``store_errors``
-    (failed calls) and ``store_reconnects`` (whole publishes after a failure or a lost store).
-    """
-
-    num_requests: tuple[int, ...]
-    kv_tokens: tuple[int, ...]
-    rank_state: tuple[str, ...]
-    count_imbalance: float
-    kv_imbalance: float
-    step_time_s: float
-    over_capacity: int
-    running: int
-    admitted: int
-    refused: int
-    refused_by_reason: tuple[tuple[str, int], ...]
-    finished: int
-    aborted: int
-    handed_back: int
-    steps: int
-    reports_accepted: int
-    reports_stale: int
-    reports_corrected: int
-    drift_requests_last: int
-    drift_kv_tokens_last: int
-    drift_requests_max: int
-    drift_kv_tokens_max: int
-    drift_kv_tokens_total: int
-    migrated: int
-    migrated_for_room: int
-    foreign_requests: tuple[int, ...] = ()
-    foreign_kv_tokens: tuple[int, ...] = ()
-    store_views: int = 0
-    store_fallbacks: int = 0
-    store_errors: int = 0
-    store_reconnects: int = 0
-
-
-class Migration(NamedTuple):
-    """A running request moved by :meth:`DecodeBalancer.rebalance` (its KV goes with it)."""
-
-    request_id: Hashable
-    source: int
-    target: int
-    kv_tokens: int
-
-
-_COUNTERS = (
-    "finished", "aborted", "handed_back", "steps",
-    "reports_accepted", "reports_stale", "reports_corrected",
-    "drift_requests_last", "drift_kv_tokens_last", "drift_requests_max", "drift_kv_tokens_max",
-    "drift_kv_tokens_total", "migrated", "migrated_for_room",
-)  # fmt: skip
+#: Largest sequence number and request count of a report (int64).
+MAX_SEQ = 2**63 - 1
+#: Admissions of more KV tokens check that no rank can pass ``MAX_RANK_TOKENS``; below it a
+#: rank would need more than 2**31 requests (``step`` checks growth itself).
+ADMIT_CHECK_TOKENS = 2**22
 
 
 def _request_id(request_id: Any) -> Hashable:
@@ -334,25 +237,17 @@ class DecodeBalancer:
         self._h = h
         self._n = n
         self._rng = as_rng(rng)
-        X = np.zeros((K.NUM_ROWS, n))
-        X[K.ROW_CAP_B] = capacity_iv(max_batch, "max_batch", n)
-        X[K.ROW_CAP_S] = capacity_iv(max_kv_tokens, "max_kv_tokens", n)
-        X[K.ROW_OK] = 1.0
-        self._X = X
-        self._slots = np.zeros((5, 0), dtype=np.int64)
-        self._rid_of: list[Hashable | None] = []
-        self._free: list[int] = []
-        self._ids: dict[Hashable, int] = {}
+        self._L = Ledger(
+            n, h, capacity_iv(max_batch, "max_batch", n),
+            capacity_iv(max_kv_tokens, "max_kv_tokens", n),
+        )  # fmt: skip
         self._state = np.zeros(n, dtype=np.int8)
         self._seq = np.full(n, -1, dtype=np.int64)
-        self._fb = np.zeros(n, dtype=np.int64)  # foreign requests per rank
-        self._fs = np.zeros(n, dtype=np.int64)  # foreign KV tokens per rank
         self._cursor = 0
         self._order = 0
         self._refused = [0] * len(REASONS)
-        self._counts = dict.fromkeys(_COUNTERS, 0)
+        self._counts = dict.fromkeys(COUNTERS, 0)
         self._placed = tuple(Decision(r, PLACED) for r in range(n))  # no allocation per call
-        self._grow(64)
         self._link: ReplicaLink | None = None
         if rid is not None:
             self._attach(store, rid)
@@ -376,16 +271,16 @@ class DecodeBalancer:
     def num_requests(self) -> np.ndarray:
         """Requests of the ledger per rank, shape (num_ranks,), int64 (a copy; without the
         foreign load)."""
-        return self._X[K.ROW_B].astype(np.int64) - self._fb
+        return self._L.X[K.ROW_B].astype(np.int64) - self._L.fb
 
     def kv_tokens(self) -> np.ndarray:
         """KV tokens of the ledger per rank, shape (num_ranks,), int64 (a copy; without the
         foreign load)."""
-        return self._X[K.ROW_S].astype(np.int64) - self._fs
+        return self._L.X[K.ROW_S].astype(np.int64) - self._L.fs
 
     def foreign_load(self) -> ForeignLoad:
         """The foreign load in force (copies; zeros until :meth:`set_foreign_load`)."""
-        return ForeignLoad(self._fb.copy(), self._fs.copy())
+        return ForeignLoad(self._L.fb.copy(), self._L.fs.copy())
 
     def set_foreign_load(self, *, num_requests: Any, kv_tokens: Any) -> None:
         """Set the load that other routers placed on the ranks (replacing the previous one).
@@ -417,109 +312,39 @@ class DecodeBalancer:
         >>> bal.num_requests().tolist(), bal.statistics().foreign_requests
         ([0, 1], (3, 0))
         """
-        new = foreign_iv(num_requests, kv_tokens, self._n, _MAX_TOKENS)
-        self._set_foreign(new.num_requests, new.kv_tokens)
-
-    def _set_foreign(self, fb: np.ndarray, fs: np.ndarray) -> None:
-        db = (fb - self._fb).astype(np.float64)
-        ds = (fs - self._fs).astype(np.float64)
-        X = self._X
-        X[K.ROW_B] += db
-        X[K.ROW_S] += ds
-        if self._h:
-            X[K.ROW_PB] += db
-            X[K.ROW_PS] += ds + self._h * db
-        self._fb, self._fs = fb, fs
+        new = foreign_iv(num_requests, kv_tokens, self._n, MAX_TOKENS)
+        self._L.set_foreign(new.num_requests, new.kv_tokens)
 
     # ------------------------------------------------------------------ store
-    def _own(self) -> np.ndarray:
-        own = self._X[K.ROW_B : K.ROW_S + 1].astype(np.int64)
-        own[0] -= self._fb
-        own[1] -= self._fs
-        return own
-
     def _pull(self) -> None:
         """View the store before a decision: its foreign load replaces ours."""
-        f = self._link.view(self._own())
-        self._set_foreign(np.minimum(f[0], _MAX_TOKENS), np.minimum(f[1], _MAX_TOKENS))
+        f = self._link.view(self._L.own())
+        self._L.set_foreign(np.minimum(f[0], MAX_TOKENS), np.minimum(f[1], MAX_TOKENS))
 
     def _push(self) -> None:
         """Publish the ledger's per-rank load after a change."""
         if self._link is not None:
-            self._link.publish(self._own())
+            self._link.publish(self._L.own())
 
     def __len__(self) -> int:
-        return len(self._ids)
+        return len(self._L.ids)
 
     def __contains__(self, request_id: object) -> bool:
-        return request_id in self._ids
+        return request_id in self._L.ids
 
     def request(self, request_id: Hashable) -> RequestInfo:
         """Ledger entry of a running request; ``KeyError`` if unknown."""
-        c = self._slots[:, self._slot_of(request_id)].tolist()
-        return RequestInfo(c[_RANK], c[_KV], c[_GEN], c[_EXPECT])
+        c = self._L.slots[:, self._L.slot_of(request_id)].tolist()
+        return RequestInfo(c[RANK], c[KV], c[GEN], c[EXPECT])
 
     def requests_on(self, rank: int) -> tuple[Hashable, ...]:
         """Ids of the requests on ``rank``, oldest first."""
         rank = self._rank_iv(rank)
-        return tuple(self._rid_of[i] for i in self._slots_on(rank))
+        return tuple(self._L.rid_of[i] for i in self._L.slots_on(rank))
 
     # ------------------------------------------------------------------ internals
-    def _grow(self, extra: int) -> None:
-        cap = self._slots.shape[1]
-        slots = np.zeros((5, cap + extra), dtype=np.int64)
-        slots[:, :cap] = self._slots
-        slots[_RANK, cap:] = self._n  # the free-slot sentinel
-        self._slots = slots
-        self._rid_of.extend([None] * extra)
-        self._free.extend(range(cap + extra - 1, cap - 1, -1))  # lowest slot used first
-
-    def _slot_of(self, request_id: Any) -> int:
-        try:
-            return self._ids[request_id]
-        except (KeyError, TypeError):
-            raise KeyError(f"request_id: unknown request {request_id!r}") from None
-
     def _rank_iv(self, rank: Any) -> int:
         return check_int(rank, "rank", min_value=0, max_value=self._n - 1)
-
-    def _slots_on(self, rank: int) -> np.ndarray:
-        idx = np.flatnonzero(self._slots[_RANK] == rank)
-        return idx[np.argsort(self._slots[_ORDER, idx], kind="stable")]
-
-    def _projected(self, slot_idx: Any) -> Any:
-        ex = self._slots[_EXPECT, slot_idx]
-        return (ex < 0) | (ex - self._slots[_GEN, slot_idx] > self._h)
-
-    def _reproject(self) -> None:
-        if not self._h:
-            return
-        used = self._slots[_RANK] < self._n
-        idx = np.flatnonzero(used)
-        keep = idx[self._projected(idx)]
-        ranks = self._slots[_RANK, keep]
-        self._X[K.ROW_PB] = np.bincount(ranks, minlength=self._n) + self._fb
-        self._X[K.ROW_PS] = np.bincount(
-            ranks, weights=(self._slots[_KV, keep] + self._h).astype(np.float64), minlength=self._n
-        ) + (self._fs + self._h * self._fb)
-
-    def _release(self, slot: int) -> int:
-        s = self._slots
-        r = int(s[_RANK, slot])
-        kv = int(s[_KV, slot])
-        X = self._X
-        if self._h and self._projected(slot):
-            X[K.ROW_PB, r] -= 1.0
-            X[K.ROW_PS, r] -= kv + self._h
-        X[K.ROW_B, r] -= 1.0
-        X[K.ROW_S, r] -= kv
-        s[:, slot] = 0
-        s[_RANK, slot] = self._n
-        rid = self._rid_of[slot]
-        self._rid_of[slot] = None
-        del self._ids[rid]
-        self._free.append(slot)
-        return r
 
     # ------------------------------------------------------------------ admission
     def admit(
@@ -555,21 +380,27 @@ class DecodeBalancer:
 
         Runtime complexity: O(ranks), one numba call.
         """
-        if type(kv_tokens) is not int or not 0 <= kv_tokens <= _MAX_TOKENS:
-            kv_tokens = check_int(kv_tokens, "kv_tokens", min_value=0, max_value=_MAX_TOKENS)
+        if type(kv_tokens) is not int or not 0 <= kv_tokens <= MAX_TOKENS:
+            kv_tokens = check_int(kv_tokens, "kv_tokens", min_value=0, max_value=MAX_TOKENS)
         if type(request_id) is not str and type(request_id) is not int:
             _request_id(request_id)
-        if request_id in self._ids:
+        L = self._L
+        if request_id in L.ids:
             raise ValueError(f"request_id: {request_id!r} is already running")
         if expected_output_tokens is None:
             expect = -1
         else:
-            expect = check_int(expected_output_tokens, "expected_output_tokens", min_value=0)
+            expect = check_int(
+                expected_output_tokens, "expected_output_tokens", min_value=0,
+                max_value=MAX_TOKENS,
+            )  # fmt: skip
         if self._link is not None:
             self._pull()
-        free = self._free
+        if kv_tokens > ADMIT_CHECK_TOKENS:
+            self._admit_range(kv_tokens)
+        free = L.free
         if not free:
-            self._grow(self._slots.shape[1])
+            L.grow(L.slots.shape[1])
         slot = free[-1]
         h = self._h
         if h:
@@ -581,10 +412,10 @@ class DecodeBalancer:
             s_score = kv_tokens
             add_pb = add_ps = 0.0
         if self._code == K.RANDOM:
-            self._rng.random(out=self._X[K.ROW_KEY])
+            self._rng.random(out=L.X[K.ROW_KEY])
         r = K.place(
-            self._X, self._slots, self._P, slot, kv_tokens, s_score, add_pb, add_ps, expect,
-            self._order, self._cursor,
+            L.X, L.slots, self._P, slot, kv_tokens, s_score, add_pb, add_ps, expect, self._order,
+            self._cursor,
         )  # fmt: skip
         if r < 0:
             self._refused[-r] += 1
@@ -592,25 +423,30 @@ class DecodeBalancer:
                 self._room = (request_id, kv_tokens)
             return _REFUSED[-r]
         self._room = None  # the room went to this request (FIFO callers offer the head first)
-        free.pop()
-        self._ids[request_id] = slot
-        self._rid_of[slot] = request_id
+        L.take(request_id, slot)
         self._order += 1
         self._cursor = r + 1 if r + 1 < self._n else 0
         if self._link is not None:
             self._push()
         return self._placed[r]
 
+    def _admit_range(self, kv_tokens: int) -> None:
+        if float(self._L.X[K.ROW_S].max()) + kv_tokens > MAX_RANK_TOKENS:
+            raise ValueError(
+                f"kv_tokens: {kv_tokens} more KV tokens could take a rank past {MAX_RANK_TOKENS} "
+                "(the most the ledger sums exactly)"
+            )
+
     def finish(self, request_id: Hashable) -> int:
         """Release a finished request; returns the rank it ran on. ``KeyError`` if unknown."""
-        r = self._release(self._slot_of(request_id))
+        r = self._L.release(self._L.slot_of(request_id))
         self._counts["finished"] += 1
         self._push()
         return r
 
     def abort(self, request_id: Hashable) -> int:
         """Release an aborted request; returns its rank. ``KeyError`` if unknown."""
-        r = self._release(self._slot_of(request_id))
+        r = self._L.release(self._L.slot_of(request_id))
         self._counts["aborted"] += 1
         self._push()
         return r
@@ -647,16 +483,13 @@ class DecodeBalancer:
                 )
             todo = [
                 (
-                    self._slot_of(rid),
-                    check_int(t, f"request_tokens[{rid!r}]", min_value=0, max_value=_MAX_TOKENS),
+                    self._L.slot_of(rid),
+                    check_int(t, f"request_tokens[{rid!r}]", min_value=0, max_value=MAX_TOKENS),
                 )
                 for rid, t in request_tokens.items()
             ]
-            s = self._slots
-            for slot, t in todo:
-                s[_KV, slot] += t
-                s[_GEN, slot] += t
-                self._X[K.ROW_S, s[_RANK, slot]] += t
+            self._grow_iv(todo)
+            self._L.grow_requests(todo)
         else:
             n = self._n
             if tokens is None:
@@ -665,17 +498,44 @@ class DecodeBalancer:
                 arr = to_numpy(tokens, "tokens")
                 inc = np.empty(n + 1, dtype=np.int64)
                 if arr.ndim == 0:
-                    inc[:] = check_int(tokens, "tokens", min_value=0)
+                    inc[:] = check_int(tokens, "tokens", min_value=0, max_value=MAX_TOKENS)
                 else:
-                    inc[:n] = as_int_array(arr, "tokens", shape=(n,), min_value=0)
+                    inc[:n] = as_int_array(
+                        arr, "tokens", shape=(n,), min_value=0, max_value=MAX_TOKENS
+                    )
             inc[n] = 0  # free slots
-            grow = inc[self._slots[_RANK]]
-            self._slots[_KV] += grow
-            self._slots[_GEN] += grow
-            self._X[K.ROW_S] += inc[:n] * (self._X[K.ROW_B] - self._fb)  # own requests grow
-        self._reproject()
+            self._grow_iv(inc)
+            self._L.grow_ranks(inc)
         self._counts["steps"] += 1
         self._push()
+
+    def _grow_iv(self, growth: Any) -> None:
+        """Refuse a step that would take a request past ``MAX_TOKENS`` or a rank past
+        ``MAX_RANK_TOKENS`` KV tokens (the ledger's exact range); ``growth`` is a per-rank
+        increment (shape ``(num_ranks + 1,)``) or ``(slot, tokens)`` pairs."""
+        L = self._L
+        if isinstance(growth, list):
+            if not growth:
+                return
+            slots = np.fromiter((slot for slot, _ in growth), np.int64, len(growth))
+            t = np.fromiter((t for _, t in growth), np.int64, len(growth))
+            kv = L.slots[KV, slots] + t
+            add = np.bincount(L.slots[RANK, slots], weights=t.astype(np.float64), minlength=L.n)
+        else:
+            used = L.used()
+            kv = L.slots[KV, used] + growth[L.slots[RANK, used]]
+            add = growth[: L.n] * (L.X[K.ROW_B] - L.fb)
+        if kv.size and int(kv.max()) > MAX_TOKENS:
+            raise ValueError(
+                f"tokens: a request would hold {int(kv.max())} KV tokens, more than "
+                f"{MAX_TOKENS} (the most the ledger keeps exactly)"
+            )
+        total = L.X[K.ROW_S] + add
+        if float(total.max()) > MAX_RANK_TOKENS:
+            raise ValueError(
+                f"tokens: rank {int(total.argmax())} would hold more than {MAX_RANK_TOKENS} KV "
+                "tokens (the most the ledger sums exactly)"
+            )
 
     # ------------------------------------------------------------------ migration
     def migrate(self, request_id: Hashable, rank: int) -> int:
@@ -693,11 +553,11 @@ class DecodeBalancer:
 
         Runtime complexity: O(1).
         """
-        slot = self._slot_of(request_id)
+        slot = self._L.slot_of(request_id)
         rank = self._rank_iv(rank)
-        s, X = self._slots, self._X
-        a = int(s[_RANK, slot])
-        kv = int(s[_KV, slot])
+        s, X = self._L.slots, self._L.X
+        a = int(s[RANK, slot])
+        kv = int(s[KV, slot])
         if rank == a:
             raise ValueError(f"rank: request {request_id!r} already runs on rank {rank}")
         if self._state[rank] != _ACTIVE:
@@ -715,19 +575,7 @@ class DecodeBalancer:
 
     def _move(self, slot: int, rank: int) -> None:
         """Move the request in ``slot`` to ``rank`` in the ledger (checked by the caller)."""
-        s, X = self._slots, self._X
-        a = int(s[_RANK, slot])
-        kv = int(s[_KV, slot])
-        if self._h and self._projected(slot):
-            X[K.ROW_PB, a] -= 1.0
-            X[K.ROW_PS, a] -= kv + self._h
-            X[K.ROW_PB, rank] += 1.0
-            X[K.ROW_PS, rank] += kv + self._h
-        X[K.ROW_B, a] -= 1.0
-        X[K.ROW_S, a] -= kv
-        X[K.ROW_B, rank] += 1.0
-        X[K.ROW_S, rank] += kv
-        s[_RANK, slot] = rank
+        self._L.move(slot, rank)
         self._counts["migrated"] += 1
 
     def rebalance(self, max_moves: int | None = None) -> tuple[Migration, ...]:
@@ -793,7 +641,7 @@ class DecodeBalancer:
         moves = (
             self._max_moves if max_moves is None else check_int(max_moves, "max_moves", min_value=0)
         )
-        used = np.flatnonzero(self._slots[_RANK] < self._n)
+        used = np.flatnonzero(self._L.slots[RANK] < self._n)
         if not len(used):
             return ()
         if self._link is not None:
@@ -802,10 +650,10 @@ class DecodeBalancer:
         reserved = -1
         released = self._counts["finished"] + self._counts["aborted"] + self._counts["handed_back"]
         if self._make_room and self._room is not None and released != self._room_failed:
-            X = self._X.copy()
-            rank = self._slots[_RANK, used]  # a copy (fancy indexing)
-            room = _room_on(
-                rank, self._slots[_KV, used].astype(np.float64), X, self._room[1], self._P,
+            X = self._L.X.copy()
+            rank = self._L.slots[RANK, used]  # a copy (fancy indexing)
+            room = room_on(
+                rank, self._L.slots[KV, used].astype(np.float64), X, self._room[1], self._P,
                 ROOM_GROW_STEPS, ROOM_MAX_MOVES,
             )  # fmt: skip
             if room.complete:
@@ -816,12 +664,12 @@ class DecodeBalancer:
             else:  # no room to be made until a request leaves
                 self._room_failed = released
         if moves:
-            X = self._X.copy()
+            X = self._L.X.copy()
             if reserved >= 0:
                 X[K.ROW_OK, reserved] = 0.0
             # The ledger is the plan's state matrix: counts, KV, capacities, eligibility.
-            plan = _plan_on(
-                self._slots[_RANK, used], self._slots[_KV, used].astype(np.float64), X, moves,
+            plan = plan_on(
+                self._L.slots[RANK, used], self._L.slots[KV, used].astype(np.float64), X, moves,
                 self._sources == "heaviest", False,
             )  # fmt: skip
             for i, dst in zip(plan.request.tolist(), plan.target.tolist(), strict=True):
@@ -832,8 +680,8 @@ class DecodeBalancer:
 
     def _moved(self, slot: int, rank: int) -> Migration:
         """Move the request in ``slot`` to ``rank``; the :class:`Migration` record."""
-        m = Migration(self._rid_of[slot], int(self._slots[_RANK, slot]), rank,
-                      int(self._slots[_KV, slot]))  # fmt: skip
+        m = Migration(self._L.rid_of[slot], int(self._L.slots[RANK, slot]), rank,
+                      int(self._L.slots[KV, slot]))  # fmt: skip
         self._move(slot, rank)
         return m
 
@@ -847,7 +695,7 @@ class DecodeBalancer:
         if self._state[rank] != _ACTIVE:
             raise ValueError(f"rank: {rank} is {_STATE_NAMES[self._state[rank]]}, not active")
         self._state[rank] = _DRAINING
-        self._X[K.ROW_OK, rank] = 0.0
+        self._L.X[K.ROW_OK, rank] = 0.0
 
     def remove_rank(self, rank: int) -> RemovedRequests:
         """Take ``rank`` out of service and hand its requests back (oldest first).
@@ -859,13 +707,13 @@ class DecodeBalancer:
         rank = self._rank_iv(rank)
         if self._state[rank] == _OUT:
             raise ValueError(f"rank: {rank} is already out of service")
-        idx = self._slots_on(rank)
-        ids = tuple(self._rid_of[i] for i in idx)
-        kv = tuple(self._slots[_KV, idx].tolist())
+        idx = self._L.slots_on(rank)
+        ids = tuple(self._L.rid_of[i] for i in idx)
+        kv = tuple(self._L.slots[KV, idx].tolist())
         for i in idx.tolist():
-            self._release(i)
+            self._L.release(i)
         self._state[rank] = _OUT
-        self._X[K.ROW_OK, rank] = 0.0
+        self._L.X[K.ROW_OK, rank] = 0.0
         self._counts["handed_back"] += len(ids)
         self._push()
         return RemovedRequests(ids, kv)
@@ -876,7 +724,7 @@ class DecodeBalancer:
         if self._state[rank] == _ACTIVE:
             raise ValueError(f"rank: {rank} is already active")
         self._state[rank] = _ACTIVE
-        self._X[K.ROW_OK, rank] = 1.0
+        self._L.X[K.ROW_OK, rank] = 1.0
 
     # ------------------------------------------------------------------ reports
     def report(self, rank: int, seq: int, num_requests: int, kv_tokens: int) -> ReportResult:
@@ -896,17 +744,17 @@ class DecodeBalancer:
         Runtime complexity: O(requests on the rank) when correcting, else O(1).
         """
         rank = self._rank_iv(rank)
-        seq = check_int(seq, "seq", min_value=0)
-        got_b = check_int(num_requests, "num_requests", min_value=0)
-        got_s = check_int(kv_tokens, "kv_tokens", min_value=0, max_value=_MAX_TOKENS)
+        seq = check_int(seq, "seq", min_value=0, max_value=MAX_SEQ)
+        got_b = check_int(num_requests, "num_requests", min_value=0, max_value=MAX_SEQ)
+        got_s = check_int(kv_tokens, "kv_tokens", min_value=0, max_value=MAX_TOKENS)
         c = self._counts
         if seq <= self._seq[rank]:
             c["reports_stale"] += 1
             return ReportResult(False, False, 0, 0)
         self._seq[rank] = seq
-        fb, fs = int(self._fb[rank]), int(self._fs[rank])
-        have_b = int(self._X[K.ROW_B, rank])
-        have_s = int(self._X[K.ROW_S, rank])
+        fb, fs = int(self._L.fb[rank]), int(self._L.fs[rank])
+        have_b = int(self._L.X[K.ROW_B, rank])
+        have_s = int(self._L.X[K.ROW_S, rank])
         db, ds = got_b - have_b, got_s - have_s
         c["reports_accepted"] += 1
         c["drift_requests_last"] = db
@@ -916,21 +764,7 @@ class DecodeBalancer:
         c["drift_kv_tokens_total"] += abs(ds)
         if db != 0 or have_b == fb or ds == 0 or got_s < fs:
             return ReportResult(True, False, db, ds)
-        # the own requests' part: the ledger's and the reported KV less the foreign KV
-        have_b -= fb
-        have_s -= fs
-        got_s -= fs
-        idx = self._slots_on(rank)
-        old = self._slots[_KV, idx].tolist()
-        if have_s > 0:
-            new = [kv * got_s // have_s for kv in old]
-        else:
-            new = [got_s // have_b] * have_b
-        for i in range(got_s - sum(new)):  # fewer than have_b tokens: oldest first
-            new[i] += 1
-        self._slots[_KV, idx] = new
-        self._X[K.ROW_S, rank] = got_s + fs
-        self._reproject()
+        self._L.reconcile(rank, got_s - fs)  # the own requests' part of the reported KV
         c["reports_corrected"] += 1
         self._push()
         return ReportResult(True, True, db, ds)
@@ -938,10 +772,10 @@ class DecodeBalancer:
     # ------------------------------------------------------------------ introspection
     def statistics(self) -> DecodeStatistics:
         """A snapshot of per-rank load, balance and counters (see :class:`DecodeStatistics`)."""
-        tb = self._X[K.ROW_B].astype(np.int64)
-        ts = self._X[K.ROW_S].astype(np.int64)
-        b = tb - self._fb
-        s = ts - self._fs
+        tb = self._L.X[K.ROW_B].astype(np.int64)
+        ts = self._L.X[K.ROW_S].astype(np.int64)
+        b = tb - self._L.fb
+        s = ts - self._L.fs
         live = self._state != _OUT
         c = self._counts
         if live.any():
@@ -958,8 +792,8 @@ class DecodeBalancer:
             count_imbalance=count_imb,
             kv_imbalance=kv_imb,
             step_time_s=step,
-            over_capacity=int((self._X[K.ROW_S] > self._X[K.ROW_CAP_S]).sum()),
-            running=len(self._ids),
+            over_capacity=int((self._L.X[K.ROW_S] > self._L.X[K.ROW_CAP_S]).sum()),
+            running=len(self._L.ids),
             admitted=self._order,
             refused=sum(self._refused),
             refused_by_reason=tuple(
@@ -979,8 +813,8 @@ class DecodeBalancer:
             drift_kv_tokens_total=c["drift_kv_tokens_total"],
             migrated=c["migrated"],
             migrated_for_room=c["migrated_for_room"],
-            foreign_requests=tuple(self._fb.tolist()),
-            foreign_kv_tokens=tuple(self._fs.tolist()),
+            foreign_requests=tuple(self._L.fb.tolist()),
+            foreign_kv_tokens=tuple(self._L.fs.tolist()),
             **self._store_counts(),
         )
 
@@ -989,41 +823,16 @@ class DecodeBalancer:
 
     def _check(self) -> None:
         """Assert every internal invariant (for tests; O(ranks + requests))."""
-        n = self._n
-        s = self._slots
-        X = self._X
-        cap = s.shape[1]
-        assert len(self._rid_of) == cap
-        used = s[_RANK] < n
-        assert (s[_RANK] >= 0).all() and (s[_RANK] <= n).all(), "slot rank out of range"
-        assert sorted(self._free) == np.flatnonzero(~used).tolist(), "free list is stale"
-        assert sorted(self._ids.values()) == np.flatnonzero(used).tolist(), "id map is stale"
-        for rid, slot in self._ids.items():
-            assert self._rid_of[slot] == rid, f"slot {slot} does not name {rid!r}"
-        assert all(self._rid_of[i] is None for i in self._free), "a free slot names a request"
-        assert (s[:, ~used][1:] == 0).all(), "a free slot holds data"
-        assert (s[_KV] >= 0).all() and (s[_GEN] >= 0).all(), "negative tokens"
-        assert (s[_EXPECT] >= -1).all()
-        assert (s[_ORDER, used] < self._order).all()
-        assert len(set(s[_ORDER, used].tolist())) == int(used.sum()), "admission order repeats"
-        ranks = s[_RANK, used]
-        want_b = np.bincount(ranks, minlength=n)
-        want_s = np.bincount(ranks, weights=s[_KV, used].astype(np.float64), minlength=n)
-        assert (self._fb >= 0).all() and (self._fs >= 0).all(), "negative foreign load"
-        want_b = want_b + self._fb
-        want_s = want_s + self._fs
-        assert (X[K.ROW_B] == want_b).all(), f"request counts {X[K.ROW_B]} != {want_b}"
-        assert (X[K.ROW_S] == want_s).all(), f"KV sums {X[K.ROW_S]} != {want_s}"
-        assert (X[K.ROW_OK] == (self._state == _ACTIVE)).all(), "eligibility is stale"
-        own_b = want_b - self._fb
+        L = self._L
+        L.check()
+        used = L.used()
+        assert (L.slots[ORDER, used] < self._order).all(), "admission number from the future"
+        assert (L.X[K.ROW_OK] == (self._state == _ACTIVE)).all(), "eligibility is stale"
+        own_b = L.own()[0]
         assert not (own_b[self._state == _OUT]).any(), "a rank out of service holds requests"
-        if self._h:
-            pb, ps = X[K.ROW_PB].copy(), X[K.ROW_PS].copy()
-            self._reproject()
-            assert (pb == X[K.ROW_PB]).all() and (ps == X[K.ROW_PS]).all(), "projection stale"
-        assert 0 <= self._cursor < n
+        assert 0 <= self._cursor < self._n
         c = self._counts
-        assert self._order == len(self._ids) + c["finished"] + c["aborted"] + c["handed_back"], (
+        assert self._order == len(L.ids) + c["finished"] + c["aborted"] + c["handed_back"], (
             "admitted requests are not all running, finished, aborted or handed back"
         )
         assert self._refused[0] == 0
@@ -1033,34 +842,20 @@ class DecodeBalancer:
         """The configuration and state as JSON-serialisable plain types.
 
         :meth:`from_state_dict` of the result continues exactly where this balancer stands
-        (decisions, reports, counters and the random policy's rng).
+        (decisions, reports, counters and the random policy's rng). ``pickle`` and ``copy``
+        go through it too (a balancer with a store is not picklable: save its state and pass
+        the store to :meth:`from_state_dict`).
         """
-        c = self._cost
-        X = self._X
-        idx = np.flatnonzero(self._slots[_RANK] < self._n)
-        idx = idx[np.argsort(self._slots[_ORDER, idx], kind="stable")]
-
-        def caps(row: np.ndarray) -> list[int | None] | None:
-            if np.isinf(row).all():
-                return None
-            return [None if np.isinf(v) else int(v) for v in row.tolist()]
-
+        L = self._L
         return {
-            "version": _STATE_VERSION,
+            "version": STATE_VERSION,
             "config": {
                 "num_ranks": self._n,
                 "policy": self._policy,
-                "max_batch": caps(X[K.ROW_CAP_B]),
-                "max_kv_tokens": caps(X[K.ROW_CAP_S]),
+                "max_batch": caps_list(L.X[K.ROW_CAP_B]),
+                "max_kv_tokens": caps_list(L.X[K.ROW_CAP_S]),
                 "scale": self._scale,
-                "cost": {
-                    "a": c.a,
-                    "b": c.b,
-                    "k": c.k,
-                    "combine": c.combine,
-                    "b_moe": c.b_moe,
-                    "moe_lb": c.moe_lb,
-                },
+                "cost": {f: getattr(self._cost, f) for f in COST_FIELDS},
                 "lookahead_steps": self._h,
                 "max_migrations": self._max_moves,
                 "make_room": self._make_room,
@@ -1071,14 +866,22 @@ class DecodeBalancer:
                 "seq": self._seq.tolist(),
                 "cursor": self._cursor,
                 "order": self._order,
-                "requests": [[self._rid_of[i], *self._slots[:, i].tolist()] for i in idx],
+                "requests": [[L.rid_of[i], *L.slots[:, i].tolist()] for i in L.by_age()],
                 "refused": list(self._refused),
                 "counts": dict(self._counts),
                 "rng": self._rng.bit_generator.state,
                 "room": None if self._room is None else list(self._room),
-                "foreign": [self._fb.tolist(), self._fs.tolist()],
+                "foreign": [L.fb.tolist(), L.fs.tolist()],
             },
         }
+
+    def __reduce__(self) -> tuple[Any, tuple[dict[str, Any]]]:
+        if self._link is not None:
+            raise TypeError(
+                "DecodeBalancer: a balancer with a store cannot be pickled; pickle its "
+                "state_dict() and pass store= and replica_id= to from_state_dict"
+            )
+        return (type(self).from_state_dict, (self.state_dict(),))
 
     @classmethod
     def from_state_dict(
@@ -1092,50 +895,39 @@ class DecodeBalancer:
         Raises
         ------
         ValueError
-            Unknown version or an inconsistent state.
+            Unknown version, or a field out of its rules or inconsistent with the others,
+            named (:func:`lbkit.decode.persistence.read_state`); every check is an explicit
+            ``if``, so ``python -O`` checks the same.
         """
         me = replica_id_iv(store, replica_id)
-        if not isinstance(state, Mapping) or state.get("version") != _STATE_VERSION:
-            raise ValueError(f"state: expected a state_dict of version {_STATE_VERSION}")
+        cfg, caps = read_config(state)
         try:
-            cfg = dict(state["config"])
-            s = state["state"]
-            caps = {key: cfg.pop(key) for key in ("max_batch", "max_kv_tokens")}
-            cost = DecodeCost(**cfg.pop("cost"))
-            bal = cls(cfg.pop("num_ranks"), cost=cost, **cfg)
-            for key, row in (("max_batch", K.ROW_CAP_B), ("max_kv_tokens", K.ROW_CAP_S)):
-                if caps[key] is not None:
-                    bal._X[row] = [np.inf if v is None else v for v in caps[key]]
-            bal._state = np.asarray(s["rank_state"], dtype=np.int8)
-            bal._X[K.ROW_OK] = bal._state == _ACTIVE
-            bal._seq = np.asarray(s["seq"], dtype=np.int64)
-            bal._cursor = int(s["cursor"])
-            bal._order = int(s["order"])
-            reqs = s["requests"]
-            if len(reqs) > bal._slots.shape[1]:
-                bal._grow(len(reqs))
-            for rid, rank, kv, gen, expect, order in reqs:
-                rid = _request_id(rid)
-                if rid in bal._ids:
-                    raise ValueError(f"state: request {rid!r} appears twice")
-                slot = bal._free.pop()
-                bal._slots[:, slot] = (rank, kv, gen, expect, order)
-                bal._ids[rid] = slot
-                bal._rid_of[slot] = rid
-                bal._X[K.ROW_B, rank] += 1.0
-                bal._X[K.ROW_S, rank] += kv
-            bal._reproject()
-            bal._refused = [int(x) for x in s["refused"]]
-            bal._counts = {k: int(s["counts"].get(k, 0)) for k in _COUNTERS}
+            bal = cls(**cfg)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"state.config: {exc}") from None
+        n = bal._n
+        s = read_state(state.get("state"), n)
+        L = bal._L
+        for key, row in (("max_batch", K.ROW_CAP_B), ("max_kv_tokens", K.ROW_CAP_S)):
+            if caps[key] is not None:
+                L.X[row] = caps[key]
+        bal._state = s["rank_state"]
+        L.X[K.ROW_OK] = bal._state == _ACTIVE
+        bal._seq = s["seq"]
+        bal._cursor = s["cursor"]
+        bal._order = s["order"]
+        for rid, rank, kv, gen, expect, order in s["requests"]:
+            L.insert(rid, rank, kv, gen, expect, order)
+        if s["foreign"] is not None:
+            L.set_foreign(s["foreign"].num_requests, s["foreign"].kv_tokens)
+        L.reproject()
+        bal._refused = s["refused"]
+        bal._counts = s["counts"]
+        try:
             bal._rng.bit_generator.state = s["rng"]
-            room = s.get("room")
-            bal._room = None if room is None else (_request_id(room[0]), int(room[1]))
-            foreign = s.get("foreign")
-            if foreign is not None:
-                bal.set_foreign_load(num_requests=foreign[0], kv_tokens=foreign[1])
-            bal._check()
-        except (KeyError, TypeError, IndexError, AssertionError) as exc:
-            raise ValueError(f"state: inconsistent state_dict ({exc})") from None
+        except (TypeError, ValueError, KeyError) as exc:
+            raise ValueError(f"state.rng: not a numpy bit generator state ({exc})") from None
+        bal._room = s["room"]
         if me is not None:
             bal._attach(store, me)
         return bal

@@ -179,10 +179,10 @@ def plan_migrations(
         request_rank, request_kv_tokens, num_ranks, max_moves, eligible, max_batch, max_kv_tokens
     )
     check_choice(sources, "sources", MIGRATION_SOURCES)
-    return _plan_on(rank, kv, X, moves, sources == "heaviest")
+    return plan_on(rank, kv, X, moves, sources == "heaviest")
 
 
-def _plan_on(
+def plan_on(
     rank: np.ndarray,
     kv: np.ndarray,
     X: np.ndarray,
@@ -326,11 +326,11 @@ def plan_room(
     X[K.ROW_B] = np.bincount(rank, minlength=n)
     X[K.ROW_S] = np.bincount(rank, weights=kv.astype(np.float64), minlength=n)
     limits_iv(X, max_batch, max_kv_tokens, eligible, "(num_ranks)")
-    return _room_on(rank.copy(), kv.astype(np.float64), X, s, params(POLICY_CODES[policy],
+    return room_on(rank.copy(), kv.astype(np.float64), X, s, params(POLICY_CODES[policy],
                     "mean", None), grow, moves)  # fmt: skip
 
 
-def _room_on(
+def room_on(
     rank: np.ndarray, kv: np.ndarray, X: np.ndarray, s: int, P: np.ndarray, grow: int, moves: int
 ) -> Room:
     """:func:`plan_room` on clean arrays (``rank`` and the ledger rows of ``X`` are updated with
