@@ -118,6 +118,9 @@ def as_float_array(
     return out
 
 
+_INT64_LIMIT = 2.0**63
+
+
 def as_int_array(
     value: Any,
     name: str,
@@ -142,7 +145,8 @@ def as_int_array(
     ValueError: slots: must hold integers (found 0.5 at index (0,))
     """
     arr = to_numpy(value, name)
-    if arr.dtype.kind == "f":
+    kind = arr.dtype.kind
+    if kind == "f":
         if arr.size and not np.isfinite(arr).all():
             raise ValueError(f"{name}: must hold integers (found a non-finite value)")
         frac = arr != np.round(arr)
@@ -152,7 +156,18 @@ def as_int_array(
                 f"{name}: must hold integers (found {arr[tuple(bad)]} at index "
                 f"{tuple(int(i) for i in bad)})"
             )
-    elif arr.dtype.kind not in "biu":
+        if arr.size and np.abs(arr).max() >= _INT64_LIMIT:
+            raise ValueError(f"{name}: entries must lie within int64 (|x| < 2**63)")
+    elif kind == "u":
+        if arr.size and arr.max() >= _INT64_LIMIT:
+            raise ValueError(f"{name}: entries must lie within int64 (|x| < 2**63)")
+    elif (
+        kind == "O"
+        and arr.size
+        and all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in arr.flat)
+    ):
+        raise ValueError(f"{name}: entries must lie within int64 (|x| < 2**63)")
+    elif kind != "i":
         raise TypeError(f"{name}: must hold integers, got dtype {arr.dtype}")
     _check_shape(arr, name, ndim, shape)
     if not allow_empty and arr.size == 0:

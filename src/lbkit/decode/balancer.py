@@ -22,40 +22,28 @@ Reconciliation rule
 -------------------
 An engine reports, per rank, ``(sequence number, requests, KV tokens)``. A report whose sequence
 number is not newer than the rank's last accepted one is stale and ignored. Otherwise the drift
-(reported minus ledger, for requests and for KV tokens) is recorded, and:
-
-- the request count is never corrected: the router sees every admission and release, and a
-  mismatch means the engine's snapshot and the ledger see different request sets (requests in
-  flight);
-- when the counts agree and the rank holds requests, the ledger's KV becomes the reported KV: each
-  request's KV is scaled, ``kv_i <- floor(kv_i * R / S)`` (``R // B`` each when ``S == 0``), and
-  the remaining tokens go one each to the oldest requests. The sum is then exactly ``R``, no
-  request goes negative, and later releases free what the engine actually holds.
+(reported minus ledger, for requests and for KV tokens) is recorded. The request count is never
+corrected: the router sees every admission and release, and a mismatch means the engine's
+snapshot and the ledger see different request sets (requests in flight). When the counts agree
+and the rank holds requests, the ledger's KV becomes the reported KV, spread over the requests
+in proportion (:mod:`lbkit.decode.ledger`, *Reconciliation rule*).
 
 Foreign load
 ------------
 Router replicas in front of one engine each admit their own requests. The load the others
-placed, per rank (requests and KV tokens, :meth:`DecodeBalancer.set_foreign_load`, fed by any
-transport: :class:`lbkit.replicas.RedisStore` or the caller's own), counts in every score and
-capacity check but in no request of the ledger (:mod:`lbkit.decode.foreign`): ``step`` grows
-only the own requests, ``finish`` releases only them, and migrations move only them (towards
-balance of the totals). Reports are of the whole engine: drift is reported minus (ledger plus
-foreign load), and a KV correction sets the own requests' KV to the reported KV minus the
-foreign KV (none when that is negative). :meth:`DecodeBalancer.num_requests` and
-:meth:`DecodeBalancer.kv_tokens` are the ledger's; the balance figures of
-:meth:`DecodeBalancer.statistics` are of the totals, what the engine runs. With no foreign load
-(the default) nothing differs from a balancer without it.
+placed, per rank (:meth:`DecodeBalancer.set_foreign_load`, fed by any transport:
+:class:`lbkit.replicas.RedisStore` or the caller's own), counts in every score and capacity
+check but in no request of the ledger (:mod:`lbkit.decode.foreign`): ``step`` grows, ``finish``
+releases and migrations move only the own requests. Reports are of the whole engine: drift is
+reported minus (ledger plus foreign load), and a KV correction sets the own requests' KV to the
+reported KV minus the foreign KV (none when that is negative). :meth:`DecodeBalancer.num_requests`
+and :meth:`DecodeBalancer.kv_tokens` are the ledger's; the balance figures of
+:meth:`DecodeBalancer.statistics` are of the totals, what the engine runs.
 
-Look-ahead
-----------
-With ``lookahead_steps = h > 0`` the policy scores each rank by its *projected* state ``h`` steps
-ahead instead of its current one: a request with a known expected output that has at most ``h``
-tokens left is projected to have left (it releases all of its KV), every other request is
-projected to hold ``kv + h`` tokens (one token per step). A rank of many short requests thus
-looks both lighter (its requests leave soon) and faster-growing (``B_r`` tokens per step while
-they run); the projection counts both. Requests without an expected output are assumed to stay.
-The incoming request is scored as holding ``s + h`` tokens (its own growth does not depend on the
-rank). Capacities are always checked against the current ledger.
+With ``lookahead_steps > 0`` ranks are scored by their state that many steps ahead
+(:mod:`lbkit.decode.ledger`, *Look-ahead*). Limits: a request holds at most ``MAX_TOKENS``
+(2**52) KV tokens and a rank at most ``MAX_RANK_TOKENS`` (2**53), so that every sum stays exact;
+larger admissions, steps and reports are refused with a ``ValueError``.
 
 Complexity: :meth:`admit`, :meth:`finish`, :meth:`abort` O(ranks); :meth:`step` O(ranks +
 requests) (vectorised); :meth:`report` O(requests on the rank); :meth:`remove_rank` O(requests).
@@ -109,6 +97,8 @@ _NO_ROOM = frozenset(REASONS.index(r) for r in (BATCH_FULL, KV_FULL, FULL))
 DEFAULT_MAX_MIGRATIONS = 1
 #: Steps of KV growth kept free on a rank freed for a waiting request.
 ROOM_GROW_STEPS = 4
+#: Largest look-ahead, decode steps (projected KV sums stay exact).
+MAX_LOOKAHEAD_STEPS = 2**20
 #: Largest sequence number and request count of a report (int64).
 MAX_SEQ = 2**63 - 1
 #: Admissions of more KV tokens check that no rank can pass ``MAX_RANK_TOKENS``; below it a
@@ -143,7 +133,7 @@ class DecodeBalancer:
         ``h800_dsv3`` decode preset with ``combine="max"``).
     lookahead_steps : int, default 0
         Score ranks by their projected state this many steps ahead (see the module
-        documentation); 0 scores the current state.
+        documentation); 0 scores the current state (at most 2**20).
     max_migrations : int, default ``DEFAULT_MAX_MIGRATIONS`` (1)
         Moves of :meth:`rebalance` without an argument that lower the balance objective (0:
         none).
@@ -228,7 +218,9 @@ class DecodeBalancer:
         self._room: tuple[Hashable, int] | None = None  # last request refused for lack of room
         self._room_failed = -1  # releases when room-making last failed (retried after one more)
         check_choice(policy, "policy", tuple(POLICIES))
-        h = check_int(lookahead_steps, "lookahead_steps", min_value=0)
+        h = check_int(
+            lookahead_steps, "lookahead_steps", min_value=0, max_value=MAX_LOOKAHEAD_STEPS
+        )
         self._P = params(POLICY_CODES[policy], scale, cost, proj=h > 0)
         self._cost = DEFAULT_COST if cost is None else cost
         self._policy = policy
@@ -292,9 +284,9 @@ class DecodeBalancer:
         Parameters
         ----------
         num_requests : array_like of int, shape (num_ranks,)
-            Requests of other routers per rank (>= 0).
+            Requests of other routers per rank (0 to 2**52).
         kv_tokens : array_like of int, shape (num_ranks,)
-            KV tokens they hold per rank (>= 0).
+            KV tokens they hold per rank (0 to 2**52; with the own KV at most 2**53).
 
         Raises
         ------
@@ -313,6 +305,12 @@ class DecodeBalancer:
         ([0, 1], (3, 0))
         """
         new = foreign_iv(num_requests, kv_tokens, self._n, MAX_TOKENS)
+        total = self._L.own()[1] + new.kv_tokens
+        if int(total.max()) > MAX_RANK_TOKENS:
+            raise ValueError(
+                f"kv_tokens: rank {int(total.argmax())} would hold more than {MAX_RANK_TOKENS} "
+                "KV tokens with its own requests"
+            )
         self._L.set_foreign(new.num_requests, new.kv_tokens)
 
     # ------------------------------------------------------------------ store
@@ -488,7 +486,7 @@ class DecodeBalancer:
                 )
                 for rid, t in request_tokens.items()
             ]
-            self._grow_iv(todo)
+            self._L.growth_iv(todo)
             self._L.grow_requests(todo)
         else:
             n = self._n
@@ -504,38 +502,10 @@ class DecodeBalancer:
                         arr, "tokens", shape=(n,), min_value=0, max_value=MAX_TOKENS
                     )
             inc[n] = 0  # free slots
-            self._grow_iv(inc)
+            self._L.growth_iv(inc)
             self._L.grow_ranks(inc)
         self._counts["steps"] += 1
         self._push()
-
-    def _grow_iv(self, growth: Any) -> None:
-        """Refuse a step that would take a request past ``MAX_TOKENS`` or a rank past
-        ``MAX_RANK_TOKENS`` KV tokens (the ledger's exact range); ``growth`` is a per-rank
-        increment (shape ``(num_ranks + 1,)``) or ``(slot, tokens)`` pairs."""
-        L = self._L
-        if isinstance(growth, list):
-            if not growth:
-                return
-            slots = np.fromiter((slot for slot, _ in growth), np.int64, len(growth))
-            t = np.fromiter((t for _, t in growth), np.int64, len(growth))
-            kv = L.slots[KV, slots] + t
-            add = np.bincount(L.slots[RANK, slots], weights=t.astype(np.float64), minlength=L.n)
-        else:
-            used = L.used()
-            kv = L.slots[KV, used] + growth[L.slots[RANK, used]]
-            add = growth[: L.n] * (L.X[K.ROW_B] - L.fb)
-        if kv.size and int(kv.max()) > MAX_TOKENS:
-            raise ValueError(
-                f"tokens: a request would hold {int(kv.max())} KV tokens, more than "
-                f"{MAX_TOKENS} (the most the ledger keeps exactly)"
-            )
-        total = L.X[K.ROW_S] + add
-        if float(total.max()) > MAX_RANK_TOKENS:
-            raise ValueError(
-                f"tokens: rank {int(total.argmax())} would hold more than {MAX_RANK_TOKENS} KV "
-                "tokens (the most the ledger sums exactly)"
-            )
 
     # ------------------------------------------------------------------ migration
     def migrate(self, request_id: Hashable, rank: int) -> int:
@@ -772,12 +742,10 @@ class DecodeBalancer:
     # ------------------------------------------------------------------ introspection
     def statistics(self) -> DecodeStatistics:
         """A snapshot of per-rank load, balance and counters (see :class:`DecodeStatistics`)."""
-        tb = self._L.X[K.ROW_B].astype(np.int64)
-        ts = self._L.X[K.ROW_S].astype(np.int64)
-        b = tb - self._L.fb
-        s = ts - self._L.fs
+        L = self._L
+        tb = L.X[K.ROW_B].astype(np.int64)
+        ts = L.X[K.ROW_S].astype(np.int64)
         live = self._state != _OUT
-        c = self._counts
         if live.any():
             count_imb = float(max_over_mean(tb[live].astype(np.float64)))
             kv_imb = float(max_over_mean(ts[live].astype(np.float64)))
@@ -786,35 +754,22 @@ class DecodeBalancer:
             count_imb = kv_imb = 1.0
             step = 0.0
         return DecodeStatistics(
-            num_requests=tuple(b.tolist()),
-            kv_tokens=tuple(s.tolist()),
+            num_requests=tuple((tb - L.fb).tolist()),
+            kv_tokens=tuple((ts - L.fs).tolist()),
             rank_state=tuple(_STATE_NAMES[x] for x in self._state.tolist()),
             count_imbalance=count_imb,
             kv_imbalance=kv_imb,
             step_time_s=step,
-            over_capacity=int((self._L.X[K.ROW_S] > self._L.X[K.ROW_CAP_S]).sum()),
-            running=len(self._L.ids),
+            over_capacity=int((L.X[K.ROW_S] > L.X[K.ROW_CAP_S]).sum()),
+            running=len(L.ids),
             admitted=self._order,
             refused=sum(self._refused),
             refused_by_reason=tuple(
                 (reason, k) for reason, k in zip(REASONS, self._refused, strict=True) if k
             ),
-            finished=c["finished"],
-            aborted=c["aborted"],
-            handed_back=c["handed_back"],
-            steps=c["steps"],
-            reports_accepted=c["reports_accepted"],
-            reports_stale=c["reports_stale"],
-            reports_corrected=c["reports_corrected"],
-            drift_requests_last=c["drift_requests_last"],
-            drift_kv_tokens_last=c["drift_kv_tokens_last"],
-            drift_requests_max=c["drift_requests_max"],
-            drift_kv_tokens_max=c["drift_kv_tokens_max"],
-            drift_kv_tokens_total=c["drift_kv_tokens_total"],
-            migrated=c["migrated"],
-            migrated_for_room=c["migrated_for_room"],
-            foreign_requests=tuple(self._L.fb.tolist()),
-            foreign_kv_tokens=tuple(self._L.fs.tolist()),
+            foreign_requests=tuple(L.fb.tolist()),
+            foreign_kv_tokens=tuple(L.fs.tolist()),
+            **self._counts,
             **self._store_counts(),
         )
 
@@ -925,8 +880,10 @@ class DecodeBalancer:
         bal._counts = s["counts"]
         try:
             bal._rng.bit_generator.state = s["rng"]
-        except (TypeError, ValueError, KeyError) as exc:
+        except (TypeError, ValueError, KeyError, OverflowError) as exc:
             raise ValueError(f"state.rng: not a numpy bit generator state ({exc})") from None
+        if bal._rng.bit_generator.state != s["rng"]:
+            raise ValueError("state.rng: numpy does not keep this bit generator state as given")
         bal._room = s["room"]
         if me is not None:
             bal._attach(store, me)

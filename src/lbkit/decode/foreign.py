@@ -32,8 +32,8 @@ class ForeignLoad(NamedTuple):
 
 
 def foreign_iv(num_requests: Any, kv_tokens: Any, n: int, max_tokens: int) -> ForeignLoad:
-    """Validate a foreign load of ``n`` ranks (non-negative integers; KV per rank at most
-    ``max_tokens`` so that sums stay exact in float64)."""
-    b = as_int_array(num_requests, "num_requests", shape=(n,), min_value=0)
+    """Validate a foreign load of ``n`` ranks (non-negative integers; requests and KV per rank
+    at most ``max_tokens`` so that sums stay exact in float64)."""
+    b = as_int_array(num_requests, "num_requests", shape=(n,), min_value=0, max_value=max_tokens)
     s = as_int_array(kv_tokens, "kv_tokens", shape=(n,), min_value=0, max_value=max_tokens)
     return ForeignLoad(b.astype(np.int64, copy=True), s.astype(np.int64, copy=True))

@@ -21,6 +21,18 @@ When an engine's report of a rank agrees on the request count and the rank holds
 one each to the oldest requests. The sum is then exactly ``R``, no request goes negative, and
 later releases free what the engine actually holds. With a foreign load, ``R`` is the reported
 KV minus the foreign KV.
+
+Look-ahead
+----------
+With ``lookahead_steps = h > 0`` the policy scores each rank by its *projected* state ``h`` steps
+ahead instead of its current one (rows ``ROW_PB``, ``ROW_PS`` of ``X``): a request with a known
+expected output that has at most ``h`` tokens left is projected to have left (it releases all of
+its KV), every other request is projected to hold ``kv + h`` tokens (one token per step). A rank
+of many short requests thus looks both lighter (its requests leave soon) and faster-growing
+(``B_r`` tokens per step while they run); the projection counts both. Requests without an
+expected output, and the foreign load, are assumed to stay. The incoming request is scored as
+holding ``s + h`` tokens (its own growth does not depend on the rank). Capacities are always
+checked against the current ledger.
 """
 
 from __future__ import annotations
@@ -180,6 +192,34 @@ class Ledger:
         X[K.ROW_B, rank] += 1.0
         X[K.ROW_S, rank] += kv
         s[RANK, slot] = rank
+
+    def growth_iv(self, growth: Any) -> None:
+        """Refuse a step that would take a request past ``MAX_TOKENS`` or a rank past
+        ``MAX_RANK_TOKENS`` KV tokens (the ledger's exact range); ``growth`` is a per-rank
+        increment (shape ``(num_ranks + 1,)``) or ``(slot, tokens)`` pairs. O(capacity)."""
+        L = self
+        if isinstance(growth, list):
+            if not growth:
+                return
+            slots = np.fromiter((slot for slot, _ in growth), np.int64, len(growth))
+            t = np.fromiter((t for _, t in growth), np.int64, len(growth))
+            kv = L.slots[KV, slots] + t
+            add = np.bincount(L.slots[RANK, slots], weights=t.astype(np.float64), minlength=L.n)
+        else:
+            used = L.used()
+            kv = L.slots[KV, used] + growth[L.slots[RANK, used]]
+            add = growth[: L.n] * (L.X[K.ROW_B] - L.fb)
+        if kv.size and int(kv.max()) > MAX_TOKENS:
+            raise ValueError(
+                f"tokens: a request would hold {int(kv.max())} KV tokens, more than "
+                f"{MAX_TOKENS} (the most the ledger keeps exactly)"
+            )
+        total = L.X[K.ROW_S] + add
+        if float(total.max()) > MAX_RANK_TOKENS:
+            raise ValueError(
+                f"tokens: rank {int(total.argmax())} would hold more than {MAX_RANK_TOKENS} KV "
+                "tokens (the most the ledger sums exactly)"
+            )
 
     def grow_requests(self, todo: list[tuple[int, int]]) -> None:
         """Each ``(slot, tokens)``: the request generated ``tokens`` (KV grows by as many)."""

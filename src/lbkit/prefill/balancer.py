@@ -992,8 +992,10 @@ class PrefillBalancer:
         bal._drift_max = s["drift_max"]
         try:
             bal._rng.bit_generator.state = s["rng"]
-        except (TypeError, ValueError, KeyError) as exc:
+        except (TypeError, ValueError, KeyError, OverflowError) as exc:
             raise ValueError(f"state.rng: not a numpy bit generator state ({exc})") from None
+        if bal._rng.bit_generator.state != s["rng"]:
+            raise ValueError("state.rng: numpy does not keep this bit generator state as given")
         if me is not None:
             bal._attach(store, me)
         return bal
