@@ -385,3 +385,20 @@ OptionsMachine.TestCase.settings = settings(stateful_step_count=40, deadline=Non
 TestOptionsMachine = OptionsMachine.TestCase
 FillMachine.TestCase.settings = settings(stateful_step_count=40, deadline=None)
 TestFillMachine = FillMachine.TestCase
+
+
+def test_fill_machine_counterexample_a_hole_exactly_at_its_engine_step():
+    """Pinned: the hole rule compared ``load <= top - quota``, which rounds differently from
+    ``load + quota <= top`` when a rank of two requests can take a third of the same quota."""
+    m = FillMachine()
+    for n in (7, 10):
+        m.route_burst(n=n, total=50)
+    m.route(total=1, frac=0.0, dt=0.0)
+    m.route(total=144, frac=0.0, dt=0.0)
+    m.remove_engine(engine=0, dt=0.0)
+    assert m.bal.record([18], [0], [True], now_s=m.tick(0.0)) == 1
+    del m.model.live[18]
+    m.model.status[18] = "finished"
+    m.route_burst(n=3, total=50)  # the third is the hole at the boundary
+    m.ledger_matches_model()
+    m.bal._check()

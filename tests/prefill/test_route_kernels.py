@@ -28,7 +28,7 @@ def _least_engine_reference(load, lo, hi, ranks, wake):
 
 def _roomy_slot_reference(load, end, ranks, quota):
     block = load[:end].reshape(-1, ranks)
-    vals = np.where(block <= block.max(axis=1, keepdims=True) - quota, block, np.inf)
+    vals = np.where(block + quota <= block.max(axis=1, keepdims=True), block, np.inf)
     k = int(vals.argmin())
     return k if vals.flat[k] < np.inf else -1
 
@@ -76,6 +76,17 @@ def test_examples():
     assert K.least_scored(load, 0, 6, 2, 1.0) == (3, 0.5, 2.0)  # the idle engine pays 1.0
     assert K.roomy_slot(load, 6, 2, 1.5) == 3  # 0.5 + 1.5 <= 2.0; 1.0 + 1.5 <= 3.0 loads more
     assert K.roomy_slot(load, 6, 2, 2.5) == -1
+
+
+def test_roomy_slot_takes_a_rank_that_exactly_fills_its_engine_step():
+    # Found by the balancer's state machine: two and three requests of the same quota. In
+    # floats 2q + q == 3q here while 3q - q < 2q, so the rule must be ``v + quota <= top``.
+    q = 51.24999999999999  # the unit preset's quota of 50 tokens
+    two, three = q + q, q + q + q
+    assert two + q <= three and not two <= three - q
+    load = np.array([359.7505, 358.75, two, three])
+    assert K.roomy_slot(load, 4, 2, q) == 2
+    assert K.roomy_slot.py_func(load, 4, 2, q) == 2
 
 
 @pytest.mark.skipif(not hasattr(K.least_scored, "py_func"), reason="numba JIT disabled")

@@ -20,6 +20,7 @@ __all__ = [
     "as_rng",
     "check_choice",
     "check_int",
+    "check_int_list",
     "check_real",
     "to_numpy",
 ]
@@ -214,6 +215,42 @@ def check_int(
     if max_value is not None and value > max_value:
         raise ValueError(f"{name}: must be <= {max_value}, got {value}")
     return value
+
+
+def check_int_list(
+    value: Any,
+    name: str,
+    length: int,
+    *,
+    min_value: int | None = None,
+    max_value: int | None = None,
+) -> np.ndarray:
+    """Validate a list of ``length`` integers, as read from a saved state, into ``int64``.
+
+    Stricter than :func:`as_int_array`: every entry must itself be an integer (``bool``,
+    integral floats and strings are refused), and any failure is a ``ValueError`` naming the
+    entry, as a corrupted file deserves.
+
+    Examples
+    --------
+    >>> check_int_list([0, -1, 4], "state.seq", 3, min_value=-1)
+    array([ 0, -1,  4])
+    >>> check_int_list([0, False], "state.seq", 2)
+    Traceback (most recent call last):
+    ...
+    ValueError: state.seq[1]: must be an integer, got bool False
+    """
+    if not isinstance(value, (list, tuple)) or len(value) != length:
+        raise ValueError(f"{name}: must be a list of {length} integers, got {value!r:.60}")
+    out = np.empty(length, dtype=np.int64)
+    lo = -(2**63) if min_value is None else min_value
+    hi = 2**63 - 1 if max_value is None else max_value
+    for i, v in enumerate(value):
+        try:
+            out[i] = check_int(v, f"{name}[{i}]", min_value=lo, max_value=hi)
+        except TypeError as exc:
+            raise ValueError(str(exc)) from None
+    return out
 
 
 def check_real(

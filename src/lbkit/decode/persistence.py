@@ -18,7 +18,7 @@ import numpy as np
 
 from lbkit.core.cost import DecodeCost
 from lbkit.core.engines import OUT
-from lbkit.core.validation import as_int_array, check_int
+from lbkit.core.validation import check_int, check_int_list
 from lbkit.decode.foreign import foreign_iv
 from lbkit.decode.ledger import MAX_RANK_TOKENS, MAX_TOKENS
 from lbkit.decode.reasons import REASONS
@@ -56,12 +56,7 @@ def _int(value: Any, name: str, **kw: Any) -> int:
 
 
 def _ints(value: Any, name: str, n: int, **kw: Any) -> np.ndarray:
-    if not isinstance(value, (list, tuple)):
-        raise ValueError(f"{name}: must be a list of {n} integers, got {type(value).__name__}")
-    try:
-        return as_int_array(value, name, shape=(n,), **kw)
-    except TypeError as exc:
-        raise ValueError(str(exc)) from None
+    return check_int_list(value, name, n, **kw)
 
 
 def _caps(value: Any, name: str, n: int) -> list[float] | None:

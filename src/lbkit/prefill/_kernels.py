@@ -156,10 +156,12 @@ def roomy_slot(load, end, ranks, quota):
     best = -1
     best_v = np.inf
     for e0 in range(0, end, ranks):
-        lim = _engine_top(load, e0, ranks) - quota
+        top = _engine_top(load, e0, ranks)
         for s in range(e0, e0 + ranks):
             v = load[s]
-            if v <= lim and v < best_v:
+            # ``v + quota <= top`` as stated (``v <= top - quota`` rounds differently at the
+            # boundary: a rank exactly filling its engine's step is a hole)
+            if v + quota <= top and v < best_v:
                 best_v = v
                 best = s
     return best

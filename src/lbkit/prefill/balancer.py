@@ -902,7 +902,9 @@ class PrefillBalancer:
 
         The options are saved as plain dicts (:meth:`RankChoice.to_dict`, ...). Request ids
         must be ints or strs (``route`` enforces it). ``from_state_dict`` of the result
-        continues exactly where this balancer stands, including the sampling rng.
+        continues exactly where this balancer stands, including the sampling rng. ``pickle``
+        and ``copy`` go through it too (a balancer with a store is not picklable: save its state
+        and pass the store to :meth:`from_state_dict`).
         """
         led = self._ledger
         config = config_dict(self._num_engines, self._ranks, self._cost, self._choice,
@@ -937,6 +939,14 @@ class PrefillBalancer:
                 ),
             },
         }
+
+    def __reduce__(self) -> tuple[Any, tuple[dict[str, Any]]]:
+        if self._link is not None:
+            raise TypeError(
+                "PrefillBalancer: a balancer with a store cannot be pickled; pickle its "
+                "state_dict() and pass store= and replica_id= to from_state_dict"
+            )
+        return (type(self).from_state_dict, (self.state_dict(),))
 
     @classmethod
     def from_state_dict(

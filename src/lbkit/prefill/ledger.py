@@ -48,14 +48,20 @@ import numpy as np
 from lbkit.core.cost import QuadraticCost
 from lbkit.core.validation import check_int, check_real
 
-__all__ = ["Ledger", "Request", "as_request_id", "as_time", "as_tokens"]
+__all__ = ["MAX_TOKENS", "Ledger", "Request", "as_request_id", "as_time", "as_tokens"]
+
+
+#: Largest token count of a request (2**40, as the trace readers): quotas, sums and the
+#: kernels' int64 arithmetic stay far from overflow.
+MAX_TOKENS = 2**40
 
 
 def as_tokens(value: Any, name: str) -> int:
-    """A token count: a non-negative int (``ValueError``/``TypeError`` naming ``name``)."""
-    if type(value) is int and value >= 0:
+    """A token count: an int in ``[0, MAX_TOKENS]`` (``ValueError``/``TypeError`` naming
+    ``name``)."""
+    if type(value) is int and 0 <= value <= MAX_TOKENS:
         return value
-    return check_int(value, name, min_value=0)
+    return check_int(value, name, min_value=0, max_value=MAX_TOKENS)
 
 
 def as_request_id(value: Any) -> int | str:
@@ -111,6 +117,16 @@ class Request:
     def left(self) -> int:
         """Tokens still to prefill."""
         return self.total - self.cached - self.done
+
+
+def _flag(value: Any, i: int) -> bool:
+    """``finished[i]`` as a bool: ``bool``, numpy bools and the integers 0 and 1 only (a
+    string, ``None`` or a float such as NaN is refused, never taken for its truth value)."""
+    if isinstance(value, np.bool_):
+        return bool(value)
+    if isinstance(value, (int, np.integer)) and value in (0, 1):
+        return bool(value)
+    raise TypeError(f"finished[{i}]: must be a bool (or 0/1), got {type(value).__name__} {value!r}")
 
 
 class Ledger:
@@ -325,7 +341,7 @@ class Ledger:
         done: dict[int, int] = {}
         gone: set[int] = set()
         entries: list[tuple[Request, int, bool]] = []
-        for rid, tok, fin in zip(ids, toks, fins, strict=True):
+        for i, (rid, tok, fin) in enumerate(zip(ids, toks, fins, strict=True)):
             req = requests.get(rid) if isinstance(rid, (int, str)) else None
             if req is None or id(req) in gone:
                 raise KeyError(f"request_id: unknown request {rid!r}")
@@ -339,7 +355,8 @@ class Ledger:
                     f"to prefill, got {tok}"
                 )
             done[key] = d
-            fin = bool(fin)
+            if type(fin) is not bool:
+                fin = _flag(fin, i)
             if fin:
                 gone.add(key)
             entries.append((req, tok, fin))

@@ -18,8 +18,9 @@ import numpy as np
 
 from lbkit.core.cost import QuadraticCost
 from lbkit.core.engines import DRAINING, OUT
-from lbkit.core.validation import as_float_array, as_int_array, check_int, check_real
+from lbkit.core.validation import as_float_array, check_int, check_int_list, check_real
 from lbkit.prefill.foreign import foreign_iv
+from lbkit.prefill.ledger import MAX_TOKENS
 from lbkit.prefill.legacy import BUCKET_KEYWORDS, CHOICE_KEYWORDS, ROUND_KEYWORDS, from_keywords
 from lbkit.prefill.options import Buckets, RankChoice, Rounds
 
@@ -66,7 +67,7 @@ def _options(cls: Any, value: Any, name: str) -> Any:
     value = _mapping(value, name)
     try:
         return cls(**value)
-    except TypeError as exc:
+    except (TypeError, ValueError) as exc:
         raise ValueError(f"{name}: {exc}") from None
 
 
@@ -84,9 +85,12 @@ def read_config(state: Any) -> tuple[int, int, QuadraticCost, RankChoice, Bucket
     try:
         e = check_int(cfg.get("num_engines"), "state.config.num_engines", min_value=1)
         r = check_int(cfg.get("ranks_per_engine"), "state.config.ranks_per_engine", min_value=1)
-        cost = QuadraticCost(**_mapping(cfg.get("cost"), "state.config.cost"))
     except TypeError as exc:
         raise ValueError(f"state.config: {exc}") from None
+    try:
+        cost = QuadraticCost(**_mapping(cfg.get("cost"), "state.config.cost"))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"state.config.cost: {exc}") from None
     if state["version"] == 1:
         keys = CHOICE_KEYWORDS + BUCKET_KEYWORDS + ROUND_KEYWORDS
         flat = {k: cfg[k] for k in keys if k in cfg}
@@ -118,6 +122,11 @@ def _real(value: Any, name: str, **kw: Any) -> float:
 
 
 def _floats(value: Any, name: str, n: int) -> np.ndarray:
+    if not isinstance(value, (list, tuple)) or len(value) != n:
+        raise ValueError(f"{name}: must be a list of {n} numbers")
+    for i, v in enumerate(value):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"{name}[{i}]: must be a number, got {type(v).__name__} {v!r}")
     arr = as_float_array(value, name, shape=(n,), nonnegative=True)
     if not np.isfinite(arr).all():
         raise ValueError(f"{name}: must be finite")
@@ -140,7 +149,7 @@ def _requests(rows: Any, n: int, quota: Any) -> list[tuple[Any, int, int, int, i
             raise ValueError(f"state: request {rid!r} appears twice")
         seen.add(rid)
         rank = check_int(rank, f"{name}.rank", min_value=0, max_value=n - 1)
-        total = check_int(total, f"{name}.total", min_value=1)
+        total = check_int(total, f"{name}.total", min_value=1, max_value=MAX_TOKENS)
         cached = check_int(cached, f"{name}.cached", min_value=0, max_value=total)
         done = check_int(done, f"{name}.done", min_value=0, max_value=total - cached)
         q = _real(q, f"{name}.quota", min_value=0.0)
@@ -169,11 +178,11 @@ def read_state(
     s = _mapping(s, "state.state")
     e, nb, n = num_engines, num_buckets, num_engines * ranks_per_engine
     try:
-        home = as_int_array(s.get("engine_bucket"), "state.engine_bucket", shape=(e,),
-                            min_value=0, max_value=nb - 1)  # fmt: skip
-        eng_state = as_int_array(s.get("engine_state"), "state.engine_state", shape=(e,),
-                                 min_value=0, max_value=OUT)  # fmt: skip
-        seq = as_int_array(s.get("seq"), "state.seq", shape=(e,), min_value=-1)
+        home = check_int_list(s.get("engine_bucket"), "state.engine_bucket", e, min_value=0,
+                              max_value=nb - 1)  # fmt: skip
+        eng_state = check_int_list(s.get("engine_state"), "state.engine_state", e, min_value=0,
+                                   max_value=OUT)  # fmt: skip
+        seq = check_int_list(s.get("seq"), "state.seq", e, min_value=-1)
         last = s.get("last_move_s")
         if not isinstance(last, list) or len(last) != e:
             raise ValueError(f"state.last_move_s: must be a list of {e} times or None")

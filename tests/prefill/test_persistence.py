@@ -1,0 +1,193 @@
+"""Saving and restoring a PrefillBalancer: JSON, pickle, ``python -O`` and tampered states.
+
+A restored state either is refused with a ``ValueError`` naming the field, or the balancer it
+gives holds exactly that state (``state_dict()`` returns it, every invariant holds) and keeps
+working. Nothing of the check relies on ``assert``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import pickle
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from lbkit.core import PRESETS
+from lbkit.prefill import Buckets, PrefillBalancer, RankChoice, Rounds
+
+COST = PRESETS["h800_dsv3"].prefill
+
+
+def _busy() -> PrefillBalancer:
+    """Every part of the state in use: buckets with a round behind them, progress, a report,
+    a draining engine, a foreign load and the sampling rng."""
+    bal = PrefillBalancer(
+        4, 2, cost=COST, choice=RankChoice(), buckets=Buckets(edges=(16384,)),
+        rounds=Rounds(round_s=1.0), rng=3,
+    )  # fmt: skip
+    for i, (total, cached) in enumerate([(900, 0), (20000, 4096), (3000, 100), (40000, 0)]):
+        bal.route(i, total, cached, now_s=0.1 * i)
+    bal.chunk_done(0, 300, now_s=0.5)
+    bal.report(0, 4, {0: 400}, now_s=0.6)
+    bal.set_foreign_load(quota_s=[0.1] * 8, work_s=[0.2] * 8, num_requests=[1] * 8)
+    bal.end_round(1.2)
+    bal.route("late", 5000, 0, now_s=1.3)
+    bal._check()
+    return bal
+
+
+def _json(state):
+    return json.loads(json.dumps(state))
+
+
+def _leaves(obj, path=()):
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _leaves(v, (*path, k))
+    elif isinstance(obj, list) and obj:
+        for i, v in enumerate(obj):
+            yield from _leaves(v, (*path, i))
+    else:
+        yield path
+
+
+STATE = _json(_busy().state_dict())
+LEAVES = [p for p in _leaves(STATE) if p != ("version",)]
+
+values = st.one_of(
+    st.integers(-3, 3),
+    st.integers(-(2**70), 2**70),
+    st.sampled_from([2**53, 2**63 - 1, 2**63, -(2**63)]),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.none(),
+    st.booleans(),
+    st.text(max_size=3),
+    st.lists(st.integers(-2, 5), max_size=4),
+)
+
+
+def _set(state, path, value):
+    out = copy.deepcopy(state)
+    node = out
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    return out
+
+
+def _same(a, b) -> bool:
+    """Equal states, numbers compared as numbers (an int restored as the float it means)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    num = (int, float)  # bool included: where the state takes False for 0 it behaves as 0
+    if isinstance(a, num) and isinstance(b, num):
+        return a == b or (math.isnan(a) and math.isnan(b))
+    return a == b and type(a) is type(b)
+
+
+def _exercise(bal: PrefillBalancer) -> None:
+    bal.route("new", 1000, 0, now_s=5.0)
+    bal.plan_engine(0, budget_s=0.05)
+    bal.statistics()
+    bal.end_round(6.0)
+    bal._check()
+
+
+@given(path=st.sampled_from(LEAVES), value=values)
+@example(path=("state", "requests", 0, 4), value=-1)  # negative progress
+@example(path=("state", "counts", "routed"), value=1)  # requests lost
+@example(path=("state", "engine_state", 0), value=2)  # an engine out of service, busy
+@example(path=("state", "rank_load", 0), value=1e308)
+@example(path=("state", "requests", 0, 0), value=[1])  # an unhashable id
+@example(path=("state", "rng", "state", "state"), value=1.5)  # numpy would truncate it
+@example(path=("state", "rng", "state", "state"), value=-1)  # numpy: OverflowError
+@example(path=("state", "seq", 0), value=2**70)
+def test_a_tampered_state_is_refused_by_name_or_restored_exactly(path, value):
+    bad = _set(STATE, path, value)
+    try:
+        bal = PrefillBalancer.from_state_dict(bad)
+    except ValueError as exc:
+        assert str(exc).startswith("state"), str(exc)
+        return
+    bal._check()
+    assert _same(_json(bal.state_dict()), _json(bad))
+    _exercise(bal)
+
+
+def test_json_and_pickle_round_trips_continue_exactly():
+    bal = _busy()
+    twins = [
+        PrefillBalancer.from_state_dict(_json(bal.state_dict())),
+        pickle.loads(pickle.dumps(bal)),
+        copy.deepcopy(bal),
+    ]
+    rng = np.random.default_rng(5)
+    for i in range(40):
+        total = int(rng.integers(100, 60000))
+        now = 1.5 + 0.05 * i
+        d = bal.route(f"r{i}", total, 0, now_s=now)
+        assert all(t.route(f"r{i}", total, 0, now_s=now) == d for t in twins)
+        if i % 7 == 6:
+            r = bal.end_round(now)
+            assert all(t.end_round(now) == r for t in twins)
+    for twin in twins:
+        twin._check()
+        assert twin.state_dict() == bal.state_dict()
+        assert twin.statistics() == bal.statistics()
+
+
+def test_a_balancer_with_a_store_is_not_pickled_silently():
+    bal = _busy()
+    bal._link = object()  # stands for an attached store: the refusal comes before any use
+    with pytest.raises(TypeError, match="state_dict"):
+        pickle.dumps(bal)
+
+
+_OPTIMISED = """
+import json, sys
+from lbkit.prefill import PrefillBalancer
+state = json.loads(sys.stdin.read())
+try:
+    PrefillBalancer.from_state_dict(state)
+except ValueError as exc:
+    print("refused:", exc)
+else:
+    print("restored")
+"""
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "field"),
+    [
+        (("state", "counts", "routed"), 1, "state.counts"),  # requests lost
+        (("state", "requests", 0, 4), -5, "state.requests[0].done"),
+        (("state", "engine_state", 0), 2, "state.requests[0]"),
+    ],
+)
+def test_python_dash_o_refuses_the_same_states(path, value, field):
+    bad = json.dumps(_set(STATE, path, value))
+    out = subprocess.run(
+        [sys.executable, "-O", "-c", _OPTIMISED], input=bad, capture_output=True, text=True,
+        check=True,
+    )  # fmt: skip
+    assert out.stdout.startswith(f"refused: {field}"), out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("flag", ["no", "", float("nan"), 0.0, None, 2, -1, [True]])
+def test_record_takes_only_bools_as_finished_flags(flag):
+    bal = _busy()
+    before = bal.state_dict()
+    with pytest.raises(TypeError, match=r"^finished\[1\]: must be a bool"):
+        bal.record([0, 1], [0, 0], [False, flag], now_s=2.0)
+    assert bal.state_dict() == before
+    assert bal.record(np.array([0, 1]), np.array([0, 0]), np.array([False, True]), now_s=2.0) == 1
+    assert bal.record([0], [0], [1], now_s=2.0) == 1
