@@ -296,16 +296,28 @@ _ASSIGNMENT_CACHE: dict[tuple[int, int], np.ndarray] = {}
 
 
 def _all_assignments(num_groups: int, num_nodes: int) -> np.ndarray | None:
-    """Every labelled assignment of groups to nodes with equal counts, or ``None`` if too many."""
+    """Every labelled assignment of groups to nodes with equal counts, in lexicographic order,
+    or ``None`` if there are more than :data:`_MAX_ASSIGNMENTS`.
+
+    Built prefix by prefix (every prefix extended by every node with room left, which keeps
+    the lexicographic order), so the work is O(count × num_groups × num_nodes) for the
+    ``count = num_groups! / (num_groups / num_nodes)!^num_nodes`` assignments, not the
+    ``num_groups!`` of enumerating permutations and dropping repeats.
+    """
     per = num_groups // num_nodes
     count = math.factorial(num_groups) // math.factorial(per) ** num_nodes
     if count > _MAX_ASSIGNMENTS:
         return None
     key = (num_groups, num_nodes)
     if key not in _ASSIGNMENT_CACHE:
-        base = np.repeat(np.arange(num_nodes), per)
-        seen = sorted(set(itertools.permutations(base.tolist())))
-        _ASSIGNMENT_CACHE[key] = np.array(seen, dtype=np.int64)
+        prefix = np.zeros((1, 0), dtype=np.int64)
+        room = np.full((1, num_nodes), per, dtype=np.int64)
+        for _ in range(num_groups):
+            row, node = np.nonzero(room > 0)  # row-major: children of a prefix by node
+            prefix = np.column_stack([prefix[row], node])
+            room = room[row]
+            room[np.arange(len(row)), node] -= 1
+        _ASSIGNMENT_CACHE[key] = prefix
     return _ASSIGNMENT_CACHE[key]
 
 
