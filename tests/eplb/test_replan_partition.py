@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from lbkit.eplb import check_placement, moe_lb, rebalance_experts, replan_experts
-from lbkit.eplb.replan import _MAX_ASSIGNMENTS, _all_assignments
+from lbkit.eplb._regroup import MAX_ASSIGNMENTS, all_assignments
 
 
 @pytest.mark.parametrize(
@@ -19,7 +19,7 @@ from lbkit.eplb.replan import _MAX_ASSIGNMENTS, _all_assignments
 def test_assignments_are_the_distinct_permutations_in_order(groups, nodes):
     base = np.repeat(np.arange(nodes), groups // nodes).tolist()
     brute = np.array(sorted(set(itertools.permutations(base))), dtype=np.int64)
-    np.testing.assert_array_equal(_all_assignments(groups, nodes), brute)
+    np.testing.assert_array_equal(all_assignments(groups, nodes), brute)
 
 
 @pytest.mark.parametrize(("groups", "nodes"), [(12, 2), (12, 3), (15, 3), (16, 8), (20, 2)])
@@ -28,8 +28,8 @@ def test_assignments_are_counted_not_enumerated_from_permutations(groups, nodes)
     enumeration builds only the assignments (each row distinct, each node ``per`` times)."""
     per = groups // nodes
     count = math.factorial(groups) // math.factorial(per) ** nodes
-    got = _all_assignments(groups, nodes)
-    if count > _MAX_ASSIGNMENTS:
+    got = all_assignments(groups, nodes)
+    if count > MAX_ASSIGNMENTS:
         assert got is None
         return
     assert got.shape == (count, groups)
