@@ -70,26 +70,49 @@ def _best_count_change(
     ``b``'s shrink. Returns ``(found, best_free, best_score, h, i, b)``.
 
     ``start``, ``gpus``: the holders of every expert (:func:`_holders`); ``hot[e]``: some GPU
-    above ``target`` holds ``e``; ``scratch``: ``(dl, mark, touched)`` work arrays.
+    above ``target`` holds ``e``; ``scratch``: ``(dl, mark, touched, hot_list, reach)`` work
+    arrays. The step is the first of the best in the order of ``(h, i, b)``; GPUs above the
+    target are searched first, so that a good step is known early. A candidate is evaluated
+    only if an upper bound on its reduction can beat the best step so far: ``b``'s replicas
+    shrink by ``size[b] - w[b] / (cnt[b] + 1)``, lowering each holder's excess by at most that,
+    ``h``'s excess falls by at most ``size[a] - w[b] / (cnt[b] + 1)``, and ``a``'s other
+    replicas only grow.
     """
-    dl, mark, touched = scratch
+    dl, mark, touched, hot_list, reach = scratch
     num_gpus, slots = gpu_exp.shape
     num_log = w.shape[0]
     tol = _REL_TOL * target
+    slack = 1e-9 * target  # above any rounding of a reduction
     found = False
     bh = bi = bb = -1
     stamp = 0
     for g in range(num_gpus):
         mark[g] = 0
-    for h in range(num_gpus):
+    n_hot = 0
+    for b in range(num_log):
+        r = 0.0
+        shrink = size[b] - w[b] / (cnt[b] + 1)
+        for k in range(start[b], start[b + 1]):
+            r += min(_excess(load[gpus[k]], target), shrink)
+        reach[b] = r
+        if hot[b]:
+            hot_list[n_hot] = b
+            n_hot += 1
+    for pos in range(2 * num_gpus):  # GPUs above the target first: a high score early
+        h = pos % num_gpus
         h_heavy = load[h] > target + tol
+        if h_heavy != (pos < num_gpus):
+            continue
+        h_exc = _excess(load[h], target)
+        n_b = num_log if h_heavy else n_hot
         for i in range(slots):
             a = gpu_exp[h, i]
             if cnt[a] < 2:
                 continue
             grow = w[a] / (cnt[a] - 1) - size[a]
-            for b in range(num_log):
-                if b == a or cur[h, b] > 0 or not (h_heavy or hot[b]):
+            for q in range(n_b):
+                b = q if h_heavy else hot_list[q]
+                if b == a or cur[h, b] > 0:
                     continue
                 cost = _replace_cost(cur, hold, h, a, b)
                 if moves + cost > budget:
@@ -97,6 +120,14 @@ def _best_count_change(
                 if cost > 0 and best_free:
                     continue
                 nb = w[b] / (cnt[b] + 1)
+                bound = reach[b] + min(h_exc, max(size[a] - nb, 0.0)) + slack
+                if bound <= tol:
+                    continue
+                if cost <= 0:
+                    if best_free and bound <= best_score:
+                        continue
+                elif bound / cost <= best_score:
+                    continue
                 shrink = size[b] - nb
                 stamp += 1
                 nt = 0
@@ -125,7 +156,15 @@ def _best_count_change(
                     continue
                 score = _step_score(red, cost, best_free, best_score)
                 if score < 0.0:
-                    continue
+                    # not better; equal to the best count change found and earlier in the
+                    # order of (h, i, b) (that order's first one is the step taken)
+                    if not found or (cost <= 0) != best_free:
+                        continue
+                    if (red if cost <= 0 else red / cost) != best_score:
+                        continue
+                    if h > bh or (h == bh and (i > bi or (i == bi and b > bb))):
+                        continue
+                    score = best_score
                 best_free = cost <= 0
                 best_score = score
                 found = True
@@ -264,10 +303,13 @@ def _best_chain(
             limit = size[a1] - (load[h1] - target)
             while True:
                 last = cg[m - 1]
-                ck, cj, ck_load = _close_chain(
-                    size, hold, cur, gpu_exp, load, target, cg, ci, m, mark, stamp, limit
-                )
-                if ck >= 0 and m >= 2:
+                ck = cj = -1
+                ck_load = 0.0
+                if m >= 2:  # a chain of one heavy GPU is a swap
+                    ck, cj, ck_load = _close_chain(
+                        size, hold, cur, gpu_exp, load, target, cg, ci, m, mark, stamp, limit
+                    )
+                if ck >= 0:
                     cost, red = _chain_value(
                         size, hold, cur, gpu_exp, load, target, cg, ci, m, ck, cj, ck_load
                     )
@@ -356,6 +398,8 @@ def _descend(w, size, cnt, hold, cur, gpu_exp, load, target, budget, moves, max_
         np.zeros(num_gpus),
         np.zeros(num_gpus, dtype=np.int64),
         np.empty(num_gpus, dtype=np.int64),
+        np.empty(num_log, dtype=np.int64),
+        np.empty(num_log),
     )
     chain_scratch = (
         np.zeros(num_gpus, dtype=np.int64),
