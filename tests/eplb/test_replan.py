@@ -239,7 +239,7 @@ def test_kernel_jit_parity():
         old = old.reshape(4, 4).astype(np.int64)
         a, b = np.empty_like(old), np.empty_like(old)
         target = w.sum() / 4 * 1.001
-        ma = _replan_layer.replan_subproblem(w, old, target, 6, 40, a)
+        ma = _replan_layer.replan_subproblem.dispatcher(w, old, target, 6, 40, a)
         mb = _replan_layer.replan_subproblem.py_func(w, old, target, 6, 40, b)
         assert ma == mb and np.array_equal(a, b)
         moved = brute_moves(old.reshape(1, -1), a.reshape(1, -1), 4)[0]

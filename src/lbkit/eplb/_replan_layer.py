@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from lbkit.core._jit import jit
+from lbkit.core._jit import entry, jit
 from lbkit.eplb._plan import Problem
 from lbkit.eplb._primitives import _REL_TOL, _argmax, _holds, _loads, _moves
 from lbkit.eplb._replan_cycles import _cycles
@@ -55,7 +55,7 @@ class ReplanArgs(NamedTuple):
     num_nodes: int
 
 
-@jit
+@entry
 def place_slots(prev, new, out):
     """Slots of every GPU (rows of ``prev`` and ``new``, ``(G, S)`` expert ids): a replica of
     ``new`` that ``prev`` holds keeps its slot (earliest such slot first), the other replicas
@@ -170,7 +170,7 @@ def _better(val, moves, best_val, best_moves, limit):
     )
 
 
-@jit
+@entry
 def replan_subproblem(w, old_exp, target, budget, max_steps, gpu_exp):
     """Re-plan one sub-problem from ``old_exp`` with at most ``budget`` moves.
 
@@ -433,7 +433,7 @@ def replan_layer(
     for _, n, local2log, old_exp, wl in sorted(jobs, key=lambda j: (-j[0], j[1])):
         out = np.empty_like(old_exp)
         steps = MAX_STEPS_PER_SLOT * old_exp.size + 8
-        used = replan_subproblem(wl, old_exp, target, left, steps, out)
+        used = int(replan_subproblem(wl, old_exp, target, left, steps, out))
         if used > left:
             return prev.copy(), budget + 1
         left -= used
@@ -446,10 +446,11 @@ def replan_layer(
 
 
 def warmup() -> None:
-    """Compile every re-planning kernel on a tiny input."""
+    """Compile :func:`replan_subproblem` and :func:`place_slots` (or load them from the disk
+    cache) on a tiny input."""
     w = np.array([4.0, 3.0, 2.0, 1.0])
     old = np.array([[0, 1], [2, 3], [0, 1]], dtype=np.int64)
     out = np.empty_like(old)
-    replan_subproblem(w, old, 4.0, 10, 16, out)
+    replan_subproblem.dispatcher(w, old, 4.0, 10, 16, out)
     placed = np.empty_like(old)
-    place_slots(old, out, placed)
+    place_slots.dispatcher(old, out, placed)

@@ -196,7 +196,7 @@ def _replan_iv(
     problem = _rebalance_iv(weight, num_replicas, num_groups, num_nodes, num_gpus, policy)
     layers, experts = problem.weight.shape
     slots = problem.num_replicas
-    prev = as_int_array(previous_phy2log, "previous_phy2log", ndim=2)
+    prev = np.array(as_int_array(previous_phy2log, "previous_phy2log", ndim=2))  # own copy
     if prev.shape != (layers, slots):
         raise ValueError(
             f"previous_phy2log: must have shape (layers, num_replicas) = ({layers}, {slots}), "
