@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lbkit.eplb import _replan_kernels, drift, moe_lb, rebalance_experts, synthetic_expert_load
+from lbkit.eplb import _replan_layer, drift, moe_lb, rebalance_experts, synthetic_expert_load
 from lbkit.eplb.replan import replan_experts, replan_tradeoff
 from lbkit.eplb.scheduler import EplbScheduler
 
@@ -375,7 +375,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
-    _replan_kernels.warmup()
+    _replan_layer.warmup()
     first = targets(a.quick)
     tables = [first, sequence(a.quick), seeds(a.quick), tradeoff(), bounds(a.quick, first["rows"])]
     if not a.quick and (budget := budget_trace()) is not None:

@@ -44,6 +44,21 @@ PYTHON_CASES = (
 )
 
 
+def eplb_entries() -> list:
+    """Every entry kernel of the loaded ``lbkit.eplb`` modules."""
+    import sys
+
+    from lbkit.core import _jit
+
+    found = {}
+    for name, module in list(sys.modules.items()):
+        if name.startswith("lbkit.eplb.") and module is not None:
+            for value in vars(module).values():
+                if isinstance(value, _jit.Entry):
+                    found[id(value)] = value
+    return list(found.values())
+
+
 def test_entry_kernels_as_python_give_the_recorded_plans(recorded, monkeypatch):
     """The first call of a process runs the entry kernels as Python (lbkit.core._jit)."""
     from lbkit.core import _jit
@@ -52,8 +67,13 @@ def test_entry_kernels_as_python_give_the_recorded_plans(recorded, monkeypatch):
         pytest.skip("NUMBA_DISABLE_JIT=1: everything runs as Python already")
     monkeypatch.setenv("LBKIT_JIT", "python")
     monkeypatch.setattr(_jit.Entry, "is_compiled", lambda self, *args: False)
+    calls = []
+    for kernel in eplb_entries():
+        monkeypatch.setattr(kernel, "_ready", set())  # forget the compiled calls made before
+        monkeypatch.setattr(kernel, "dispatcher", lambda *args: calls.append(args))
     cases = [c for c in golden.CASES if c[0] in PYTHON_CASES]
     got = golden.compute(cases)
+    assert not calls  # every call ran as Python
     assert got and all(k.split("/")[0] in PYTHON_CASES for k in got)
     for key, value in got.items():
         np.testing.assert_array_equal(value, recorded[key].astype(value.dtype), err_msg=key)
@@ -62,7 +82,7 @@ def test_entry_kernels_as_python_give_the_recorded_plans(recorded, monkeypatch):
 def test_python_twins_reach_no_compiled_kernel():
     """A twin's namespace holds twins, never a numba dispatcher (which would compile)."""
     from lbkit.core import _jit
-    from lbkit.eplb import _bound_kernels, balanced, greedy
+    from lbkit.eplb import _bound_kernels, _replan_layer, balanced, greedy
 
     if _jit._jit_disabled():
         pytest.skip("NUMBA_DISABLE_JIT=1")
@@ -74,6 +94,8 @@ def test_python_twins_reach_no_compiled_kernel():
             balanced.two_slot_plan,
             greedy.greedy_plan,
             _bound_kernels.lower_bound_layers,
+            _replan_layer.replan_subproblem,
+            _replan_layer.place_slots,
         )
     ]
     while todo:

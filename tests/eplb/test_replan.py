@@ -12,15 +12,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lbkit.eplb import _replan_kernels, check_placement, drift, moe_lb, rebalance_experts
-from lbkit.eplb.replan import _select, apply_moves, replan_experts, replan_tradeoff
+from lbkit.eplb import _replan_layer, check_placement, drift, moe_lb, rebalance_experts
+from lbkit.eplb._replan_choice import select
+from lbkit.eplb.replan import apply_moves, replan_experts, replan_tradeoff
 
 from .strategies import instances
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _warm():
-    _replan_kernels.warmup()
+    _replan_layer.warmup()
 
 
 def brute_moves(old, new, num_gpus):
@@ -101,7 +102,7 @@ def test_select_is_the_exact_fewest_moves_choice(data):
     missing[:, 0] = False
     lb[missing] = np.inf
     cap = data.draw(st.floats(1.0 * layers, 2.0 * layers))
-    choice = _select(moves, lb, cap)
+    choice = select(moves, lb, cap)
     rows = np.arange(layers)
     assert np.isfinite(lb[rows, choice]).all()
     got = (int(moves[rows, choice].sum()), float(lb[rows, choice].sum()))
@@ -238,14 +239,11 @@ def test_kernel_jit_parity():
         old = old.reshape(4, 4).astype(np.int64)
         a, b = np.empty_like(old), np.empty_like(old)
         target = w.sum() / 4 * 1.001
-        ma = _replan_kernels.replan_subproblem(w, old, target, 6, 40, a)
-        mb = _replan_kernels.replan_subproblem.py_func(w, old, target, 6, 40, b)
+        ma = _replan_layer.replan_subproblem.dispatcher(w, old, target, 6, 40, a)
+        mb = _replan_layer.replan_subproblem.py_func(w, old, target, 6, 40, b)
         assert ma == mb and np.array_equal(a, b)
-        assert (
-            _replan_kernels.count_moves(old, a, 12)
-            == _replan_kernels.count_moves.py_func(old, a, 12)
-            == brute_moves(old.reshape(1, -1), a.reshape(1, -1), 4)[0]
-        )
+        moved = brute_moves(old.reshape(1, -1), a.reshape(1, -1), 4)[0]
+        assert ma == moved or (ma == 7 and np.array_equal(a, old))  # 7: beyond the budget
 
 
 def test_descent_fixes_each_heavy_gpu_for_few_moves():

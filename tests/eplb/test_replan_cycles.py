@@ -1,4 +1,4 @@
-"""Exchange cycles of the re-planning kernel (``_replan_kernels._cycles``): replica counts kept,
+"""Exchange cycles of the re-planning kernel (``_replan_cycles._cycles``): replica counts kept,
 GPUs at or below the target stay there, GPUs above it that change end at or below it, moves as
 counted by brute force, never below the fixed-count lower bound on moves (``H + k``: GPUs above
 the target plus the fewest light GPUs whose room covers the excess), checked against an
@@ -12,7 +12,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lbkit.eplb import _replan_kernels as K
+from lbkit.eplb import _replan_cycles as K
 
 
 @st.composite

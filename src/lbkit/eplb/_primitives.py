@@ -1,5 +1,5 @@
 """Primitives shared by the EPLB kernels: tolerances, argmax, slot look-ups, GPU loads,
-duplicate repair and the min-max apportionment of replicas.
+duplicate repair, the min-max apportionment of replicas, and the move accounting of re-plans.
 
 Every kernel is a plain loop over numpy arrays that also runs with ``NUMBA_DISABLE_JIT=1``.
 Arrays are ``float64`` loads and ``int64`` indices. Tie-breaks are explicit: the lowest index
@@ -9,6 +9,10 @@ Vocabulary: a *sub-problem* is one layer of one node: ``E`` experts with loads `
 of ``S`` slots each (``R = G*S`` replicas). Under the global policy a layer is one sub-problem;
 under the hierarchical policy each node of a layer is one. A packing is ``gpu_exp [G, S]``, the
 expert of each slot of each GPU; ``size[e] = w[e] / cnt[e]`` is the size of a replica of ``e``.
+
+Re-planning: ``hold[g, e]`` counts the replicas of ``e`` that GPU ``g`` held in the old plan,
+``cur[g, e]`` those it holds now; a *move* is a replica beyond ``hold`` (``-1`` entries of a
+packing are slots whose expert belongs to another sub-problem and are skipped).
 """
 
 from __future__ import annotations
@@ -186,3 +190,105 @@ def apportion_minmax(w, num_phy, cnt):
         cnt[e] += 1
         key[e] = w[e] / cnt[e]
         _sift_down(heap, num_log, 0, key, cnt)
+
+
+# ---- re-planning: loads with empty slots, holders, moves and their changes ----
+
+
+@jit
+def _loads(size, gpu_exp, load):
+    """GPU loads of a packing whose ``-1`` slots are empty (or another sub-problem's)."""
+    num_gpus, slots = gpu_exp.shape
+    for g in range(num_gpus):
+        s = 0.0
+        for i in range(slots):
+            e = gpu_exp[g, i]
+            if e >= 0:
+                s += size[e]
+        load[g] = s
+
+
+@jit
+def _moves(hold, gpu_exp, cur):
+    """Moves of ``gpu_exp`` against the old per-GPU holdings ``hold[g, e]`` (``cur``: a zeroed
+    scratch array of ``E`` counts, zeroed again on return)."""
+    num_gpus, slots = gpu_exp.shape
+    total = 0
+    for g in range(num_gpus):
+        for i in range(slots):
+            e = gpu_exp[g, i]
+            if e >= 0:
+                cur[e] += 1
+        for i in range(slots):
+            e = gpu_exp[g, i]
+            if e >= 0 and cur[e] > 0:
+                if cur[e] > hold[g, e]:
+                    total += cur[e] - hold[g, e]
+                cur[e] = 0
+    return total
+
+
+@jit
+def _holders(gpu_exp, num_log, start, gpus):
+    """CSR lists of the GPUs holding each expert (with multiplicity, increasing GPU)."""
+    num_gpus, slots = gpu_exp.shape
+    start[:] = 0
+    for g in range(num_gpus):
+        for i in range(slots):
+            start[gpu_exp[g, i] + 1] += 1
+    for e in range(num_log):
+        start[e + 1] += start[e]
+    fill = start[:num_log].copy()
+    for g in range(num_gpus):
+        for i in range(slots):
+            e = gpu_exp[g, i]
+            gpus[fill[e]] = g
+            fill[e] += 1
+
+
+@jit
+def _excess(x, target):
+    return x - target if x > target else 0.0
+
+
+@jit
+def _replace_cost(cur, hold, g, out_e, in_e):
+    """Change in moves when GPU ``g`` gives up a replica of ``out_e`` for one of ``in_e``
+    (``cur`` the current per-GPU counts, ``hold`` the old ones): ``-1`` if the replica given up
+    was a move (``cur > hold``), ``+1`` if the one received is one (``cur >= hold``)."""
+    cost = 0
+    if cur[g, out_e] > hold[g, out_e]:
+        cost -= 1
+    if cur[g, in_e] >= hold[g, in_e]:
+        cost += 1
+    return cost
+
+
+@jit
+def _swap_cost(cur, hold, h, a, k, b):
+    """Change in moves when GPU ``h`` gives a replica of ``a`` to GPU ``k`` for one of ``b``."""
+    return _replace_cost(cur, hold, h, a, b) + _replace_cost(cur, hold, k, b, a)
+
+
+@jit
+def _apply_swap(gpu_exp, cur, h, i, k, j):
+    """Exchange slot ``i`` of GPU ``h`` with slot ``j`` of GPU ``k`` (``cur`` kept in step)."""
+    a = gpu_exp[h, i]
+    b = gpu_exp[k, j]
+    gpu_exp[h, i] = b
+    gpu_exp[k, j] = a
+    cur[h, a] -= 1
+    cur[k, a] += 1
+    cur[k, b] -= 1
+    cur[h, b] += 1
+
+
+@jit
+def _apply_replace(gpu_exp, cur, cnt, h, i, b):
+    """Give slot ``i`` of GPU ``h`` to expert ``b`` (a count change; ``cur``, ``cnt`` kept)."""
+    a = gpu_exp[h, i]
+    gpu_exp[h, i] = b
+    cur[h, a] -= 1
+    cur[h, b] += 1
+    cnt[a] -= 1
+    cnt[b] += 1

@@ -15,6 +15,7 @@ from lbkit.core.validation import check_choice
 from lbkit.eplb._plan import EplbPlan
 from lbkit.eplb.balanced import balanced_rebalance
 from lbkit.eplb.greedy import greedy_rebalance
+from lbkit.eplb.replan import replan_experts
 
 __all__ = ["DEFAULT_METHOD", "METHODS", "rebalance_experts"]
 
@@ -103,8 +104,6 @@ def rebalance_experts(
     """
     check_choice(method, "method", tuple(METHODS))
     if previous_phy2log is not None:
-        from lbkit.eplb.replan import replan_experts  # here: replan imports this module
-
         return replan_experts(
             weight,
             previous_phy2log,

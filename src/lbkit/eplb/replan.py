@@ -71,17 +71,18 @@ one's and the target, nor above both the default re-plan's (when its moves fit) 
 
 from __future__ import annotations
 
-import itertools
 import math
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from lbkit.core.validation import as_int_array, check_choice, check_int, check_real
-from lbkit.eplb import _replan_kernels
-from lbkit.eplb._plan import EplbPlan, Problem, _finish_plan, _rebalance_iv
-from lbkit.eplb.bounds import lower_bound, moe_lb
-from lbkit.eplb.rebalance import rebalance_experts
+from lbkit.eplb._plan import EplbPlan, _finish_plan, _rebalance_iv
+from lbkit.eplb._regroup import old_partition
+from lbkit.eplb._replan_candidates import replan_all
+from lbkit.eplb._replan_choice import DEFAULT_TOLERANCE, replan_mean, replan_total
+from lbkit.eplb._replan_layer import ReplanArgs
+from lbkit.eplb.bounds import moe_lb
 
 __all__ = [
     "DEFAULT_REGROUP_TOLERANCE",
@@ -95,21 +96,11 @@ __all__ = [
     "replan_tradeoff",
 ]
 
-#: Relative gap of the mean ``moe_lb`` over layers to a fresh default plan's that a re-plan may
-#: keep (``tolerance_scope="mean"``; per layer with ``"layer"``).
-DEFAULT_TOLERANCE = 0.01
-
 #: Values of ``tolerance_scope=``: the tolerance bounds the mean over layers, or every layer.
 TOLERANCE_SCOPES = ("mean", "layer")
 
 #: Relative loss of node balance accepted to keep groups on their old nodes (hierarchical).
 DEFAULT_REGROUP_TOLERANCE = 0.005
-
-#: Unpin steps per sub-problem (each releases one or two replicas).
-_MAX_STEPS_PER_SLOT = 1
-
-#: Group-to-node assignments enumerated exhaustively up to this many.
-_MAX_ASSIGNMENTS = 50_000
 
 
 class ExpertMoves(NamedTuple):
@@ -188,18 +179,6 @@ class ReplanTradeoff(NamedTuple):
     worst_moe_lb: np.ndarray
 
 
-class _Replan(NamedTuple):
-    problem: Problem
-    previous: np.ndarray  # (layers, R) int64
-    budget: np.ndarray  # (layers,) int64
-    total: int | None
-    tolerance: float
-    scope: str  # "mean" or "layer"
-    regroup_tolerance: float
-    num_groups: int  # as given (the problem holds (1, 1) under the global policy)
-    num_nodes: int
-
-
 def _replan_iv(
     weight: Any,
     previous_phy2log: Any,
@@ -213,11 +192,11 @@ def _replan_iv(
     tolerance: Any,
     regroup_tolerance: Any,
     tolerance_scope: Any = "mean",
-) -> _Replan:
+) -> ReplanArgs:
     problem = _rebalance_iv(weight, num_replicas, num_groups, num_nodes, num_gpus, policy)
     layers, experts = problem.weight.shape
     slots = problem.num_replicas
-    prev = as_int_array(previous_phy2log, "previous_phy2log", ndim=2)
+    prev = np.array(as_int_array(previous_phy2log, "previous_phy2log", ndim=2))  # own copy
     if prev.shape != (layers, slots):
         raise ValueError(
             f"previous_phy2log: must have shape (layers, num_replicas) = ({layers}, {slots}), "
@@ -238,7 +217,7 @@ def _replan_iv(
             f"{expert})"
         )
     if problem.hierarchical:
-        _old_partition(prev, experts, int(num_groups), int(num_nodes))  # raises if invalid
+        old_partition(prev, experts, int(num_groups), int(num_nodes))  # raises if invalid
     if max_moves is None:
         budget = np.full(layers, slots, dtype=np.int64)
     elif np.ndim(max_moves) == 0:
@@ -252,7 +231,7 @@ def _replan_iv(
     tolerance = check_real(tolerance, "tolerance", min_value=0.0)
     regroup_tolerance = check_real(regroup_tolerance, "regroup_tolerance", min_value=0.0)
     scope = check_choice(tolerance_scope, "tolerance_scope", TOLERANCE_SCOPES)
-    return _Replan(
+    return ReplanArgs(
         problem,
         prev,
         budget,
@@ -263,509 +242,6 @@ def _replan_iv(
         int(num_groups),
         int(num_nodes),
     )
-
-
-def _old_partition(prev: np.ndarray, experts: int, num_groups: int, num_nodes: int) -> np.ndarray:
-    """Node of every group in every layer of a hierarchical plan, ``(layers, num_groups)``."""
-    layers, slots = prev.shape
-    node_of_slot = np.arange(slots) // (slots // num_nodes)
-    group = prev // (experts // num_groups)
-    lo = np.full((layers, num_groups), num_nodes, dtype=np.int64)
-    hi = np.full((layers, num_groups), -1, dtype=np.int64)
-    rows = np.repeat(np.arange(layers), slots)
-    np.minimum.at(lo, (rows, group.ravel()), np.tile(node_of_slot, layers))
-    np.maximum.at(hi, (rows, group.ravel()), np.tile(node_of_slot, layers))
-    if (lo != hi).any():
-        layer, g = (int(i) for i in np.argwhere(lo != hi)[0])
-        raise ValueError(
-            "previous_phy2log: the hierarchical policy keeps every group on one node, but group "
-            f"{g} of layer {layer} has replicas on nodes {lo[layer, g]} and {hi[layer, g]}"
-        )
-    per = num_groups // num_nodes
-    for layer in range(layers):
-        counts = np.bincount(lo[layer], minlength=num_nodes)
-        if (counts != per).any():
-            raise ValueError(
-                f"previous_phy2log: the hierarchical policy puts {per} groups on each node, "
-                f"layer {layer} has {counts.tolist()}"
-            )
-    return lo
-
-
-_ASSIGNMENT_CACHE: dict[tuple[int, int], np.ndarray] = {}
-
-
-def _all_assignments(num_groups: int, num_nodes: int) -> np.ndarray | None:
-    """Every labelled assignment of groups to nodes with equal counts, or ``None`` if too many."""
-    per = num_groups // num_nodes
-    count = math.factorial(num_groups) // math.factorial(per) ** num_nodes
-    if count > _MAX_ASSIGNMENTS:
-        return None
-    key = (num_groups, num_nodes)
-    if key not in _ASSIGNMENT_CACHE:
-        base = np.repeat(np.arange(num_nodes), per)
-        seen = sorted(set(itertools.permutations(base.tolist())))
-        _ASSIGNMENT_CACHE[key] = np.array(seen, dtype=np.int64)
-    return _ASSIGNMENT_CACHE[key]
-
-
-def _choose_partition(
-    group_load: np.ndarray, old: np.ndarray, num_nodes: int, regroup_tolerance: float
-) -> np.ndarray:
-    """Group-to-node assignment of one layer by the rule of the module docstring."""
-    if len(group_load) == num_nodes:  # one group per node: every assignment is as good
-        return old.copy()
-    cands = _all_assignments(len(group_load), num_nodes)
-    if cands is None:  # exchanges of two groups from the old assignment, steepest descent
-        cands = [old.copy()]
-        cur = old.copy()
-        while True:
-            loads = np.bincount(cur, weights=group_load, minlength=num_nodes)
-            best, best_v = None, loads.max()
-            for a, b in itertools.combinations(range(len(cur)), 2):
-                if cur[a] == cur[b]:
-                    continue
-                trial = cur.copy()
-                trial[a], trial[b] = cur[b], cur[a]
-                v = np.bincount(trial, weights=group_load, minlength=num_nodes).max()
-                if v < best_v * (1 - 1e-12):
-                    best, best_v = trial, v
-            if best is None:
-                break
-            cur = best
-            cands.append(cur.copy())
-        cands = np.array(cands)
-    onehot = cands[:, :, None] == np.arange(num_nodes)[None, None, :]
-    node_load = np.einsum("akn,k->an", onehot, group_load)
-    top = node_load.max(axis=1)
-    moved = (cands != old[None, :]).sum(axis=1)
-    ok = top <= top.min() * (1.0 + regroup_tolerance) + 1e-12 * max(top.min(), 1.0)
-    order = np.lexsort((np.arange(len(cands)), top, np.where(ok, moved, np.iinfo(np.int64).max)))
-    return cands[order[0]]
-
-
-def _place(prev_gpu: np.ndarray, new_multiset: np.ndarray) -> np.ndarray:
-    """Slots of one GPU: kept replicas stay in their slots, new ones fill the others (lowest
-    slot first, experts in increasing order)."""
-    out = np.full_like(prev_gpu, -1)
-    want = {}
-    for e in new_multiset.tolist():
-        want[e] = want.get(e, 0) + 1
-    for i, e in enumerate(prev_gpu.tolist()):
-        if want.get(e, 0) > 0:
-            out[i] = e
-            want[e] -= 1
-    rest = sorted(itertools.chain.from_iterable([e] * k for e, k in want.items() if k > 0))
-    out[out < 0] = rest
-    return out
-
-
-def _replan_layer(
-    w: np.ndarray,
-    prev: np.ndarray,
-    node_of_group: np.ndarray | None,
-    node_bound: np.ndarray,
-    fresh_max: float,
-    args: _Replan,
-    tol: float,
-    budget: int,
-) -> tuple[np.ndarray, int]:
-    """Re-plan one layer with the given partition at per-layer tolerance ``tol``; returns
-    ``(phy2log row, moves)``.
-
-    ``moves > budget`` means the budget cannot even pay for the replicas the partition forces.
-    """
-    p = args.problem
-    experts, slots = w.shape[0], p.num_replicas
-    nodes = 1 if node_of_group is None else args.num_nodes
-    g_per_node = p.num_gpus // nodes
-    per_gpu = slots // p.num_gpus
-    phy_per_node = slots // nodes
-    target = max(float(node_bound.max()), fresh_max) * (1.0 + tol)
-    group_size = experts // (1 if node_of_group is None else args.num_groups)
-    new = np.empty(slots, dtype=np.int64)
-    jobs = []
-    for n in range(nodes):
-        if node_of_group is None:
-            local2log = np.arange(experts)
-        else:
-            groups = np.flatnonzero(node_of_group == n)
-            local2log = (groups[:, None] * group_size + np.arange(group_size)).ravel()
-        log2local = np.full(experts, -1, dtype=np.int64)
-        log2local[local2log] = np.arange(len(local2log))
-        seg = prev[n * phy_per_node : (n + 1) * phy_per_node]
-        old_exp = log2local[seg].reshape(g_per_node, per_gpu)
-        wl = w[local2log]
-        size = wl / np.maximum(np.bincount(old_exp[old_exp >= 0], minlength=len(wl)), 1)
-        stale = np.where(old_exp >= 0, size[np.maximum(old_exp, 0)], np.inf).sum(axis=1).max()
-        jobs.append((stale / target, n, local2log, old_exp, wl))
-    left = budget
-    total = 0
-    for _, n, local2log, old_exp, wl in sorted(jobs, key=lambda j: (-j[0], j[1])):
-        out = np.empty_like(old_exp)
-        steps = _MAX_STEPS_PER_SLOT * old_exp.size + 8
-        used = _replan_kernels.replan_subproblem(wl, old_exp, target, left, steps, out)
-        if used > left:
-            return prev.copy(), budget + 1
-        left -= used
-        total += used
-        seg = slice(n * phy_per_node, (n + 1) * phy_per_node)
-        placed = np.empty_like(out)
-        _replan_kernels.place_slots(prev[seg].reshape(g_per_node, per_gpu), local2log[out], placed)
-        new[seg] = placed.ravel()
-    return new, total
-
-
-def _node_bounds(w: np.ndarray, partitions: np.ndarray | None, args: _Replan) -> np.ndarray:
-    """Absolute lower bound on the largest GPU load of every sub-problem, ``(layers, nodes)``."""
-    p = args.problem
-    layers, experts = w.shape
-    if partitions is None:
-        lb = lower_bound(w, p.num_replicas, 1, 1, p.num_gpus, policy="global")
-        return (lb * w.sum(axis=1) / p.num_gpus)[:, None]
-    nodes, groups = args.num_nodes, args.num_groups
-    group_size = experts // groups
-    rows = []
-    for layer in range(layers):
-        for n in range(nodes):
-            g = np.flatnonzero(partitions[layer] == n)
-            rows.append(w[layer, (g[:, None] * group_size + np.arange(group_size)).ravel()])
-    wn = np.array(rows)
-    gpn = p.num_gpus // nodes
-    lb = lower_bound(wn, p.num_replicas // nodes, 1, 1, gpn, policy="global")
-    return (lb * wn.sum(axis=1) / gpn).reshape(layers, nodes)
-
-
-class _Context(NamedTuple):
-    """What every re-plan of a problem shares: partitions, bounds and the fresh plan."""
-
-    partitions: np.ndarray | None  # (layers, groups) node of each group, chosen by the rule
-    old_parts: np.ndarray | None
-    fresh_parts: np.ndarray | None
-    bounds: np.ndarray  # (layers, nodes) under ``partitions``
-    old_bounds: np.ndarray
-    fresh_bounds: np.ndarray | None
-    fresh: np.ndarray  # (layers, R) fresh default plan
-    fresh_lb: np.ndarray  # (layers,) its moe_lb
-    fresh_max: np.ndarray  # (layers,) its largest GPU load
-    old_lb: np.ndarray  # (layers,) moe_lb of the old plan under the new loads
-    memo: dict[tuple[int, float, int], tuple[np.ndarray, int, bool]]  # _replan_one's results
-
-
-def _context(args: _Replan) -> _Context:
-    p = args.problem
-    w, prev = p.weight, args.previous
-    layers, experts = w.shape
-    partitions = old_parts = fresh_parts = fresh_bounds = None
-    if p.hierarchical:
-        old_parts = _old_partition(prev, experts, args.num_groups, args.num_nodes)
-        group_load = w.reshape(layers, args.num_groups, -1).sum(axis=2)
-        partitions = np.array(
-            [
-                _choose_partition(
-                    group_load[i], old_parts[i], args.num_nodes, args.regroup_tolerance
-                )
-                for i in range(layers)
-            ]
-        )
-    policy = "hierarchical" if p.hierarchical else "global"
-    fresh = rebalance_experts(
-        w, p.num_replicas, args.num_groups, args.num_nodes, p.num_gpus, policy=policy
-    ).phy2log
-    fresh_lb = moe_lb(w, fresh, num_gpus=p.num_gpus)
-    bounds = _node_bounds(w, partitions, args)
-    old_bounds = bounds
-    if p.hierarchical:
-        old_bounds = _node_bounds(w, old_parts, args)
-        fresh_parts = _old_partition(fresh, experts, args.num_groups, args.num_nodes)
-        fresh_bounds = _node_bounds(w, fresh_parts, args)
-    return _Context(
-        partitions,
-        old_parts,
-        fresh_parts,
-        bounds,
-        old_bounds,
-        fresh_bounds,
-        fresh,
-        fresh_lb,
-        fresh_lb * w.sum(axis=1) / p.num_gpus,
-        moe_lb(w, prev, num_gpus=p.num_gpus),
-        {},
-    )
-
-
-def _row_lb(w: np.ndarray, row: np.ndarray, num_gpus: int) -> float:
-    """``moe_lb`` of one layer's ``phy2log`` row (the arithmetic of :func:`moe_lb`, without
-    its validation: called for every candidate)."""
-    cnt = np.bincount(row, minlength=len(w)).astype(np.float64)
-    load = (w[row] / cnt[row]).reshape(num_gpus, -1).sum(axis=1)
-    mean = load.mean()
-    return float(load.max() / mean) if mean > 0 else 1.0
-
-
-def _row_max(w: np.ndarray, row: np.ndarray, num_gpus: int) -> float:
-    """Largest GPU load of one layer's ``phy2log`` row."""
-    cnt = np.bincount(row, minlength=len(w))
-    return float((w[row] / cnt[row]).reshape(num_gpus, -1).sum(axis=1).max())
-
-
-def _replan_one(
-    args: _Replan, ctx: _Context, layer: int, tol: float, budget: int
-) -> tuple[np.ndarray, int, bool]:
-    """Re-plan one layer at per-layer tolerance ``tol``: ``(row, moves, regrouped)``; the old
-    row with zero moves unless the result is strictly better than keeping it. Memoised in
-    ``ctx.memo`` (the total-budget mode asks for some results twice)."""
-    key = (layer, tol, budget)
-    if key not in ctx.memo:
-        ctx.memo[key] = _replan_one_uncached(args, ctx, layer, tol, budget)
-    row, used, regrouped = ctx.memo[key]
-    return row.copy(), used, regrouped
-
-
-def _replan_one_uncached(
-    args: _Replan, ctx: _Context, layer: int, tol: float, budget: int
-) -> tuple[np.ndarray, int, bool]:
-    p = args.problem
-    w, prev = p.weight[layer], args.previous[layer]
-    fresh_max = float(ctx.fresh_max[layer])
-    if ctx.old_lb[layer] <= ctx.fresh_lb[layer] * (1.0 + tol):
-        return prev.copy(), 0, False  # the old plan is as good as a fresh one: nothing to move
-    part = None if ctx.partitions is None else ctx.partitions[layer]
-    row, used = _replan_layer(w, prev, part, ctx.bounds[layer], fresh_max, args, tol, budget)
-    if used > budget and part is not None:
-        part = ctx.old_parts[layer]
-        row, used = _replan_layer(
-            w, prev, part, ctx.old_bounds[layer], fresh_max, args, tol, budget
-        )
-    if used > budget:
-        row, used = prev.copy(), 0
-    if part is not None and not np.array_equal(part, ctx.fresh_parts[layer]):
-        # Short of the fresh plan's balance: try the fresh plan's group-to-node assignment.
-        lb_row = _row_max(w, row, p.num_gpus)
-        if lb_row > fresh_max * (1.0 + tol) * (1.0 + 1e-9):
-            fp = ctx.fresh_parts[layer]
-            row2, used2 = _replan_layer(
-                w, prev, fp, ctx.fresh_bounds[layer], fresh_max, args, tol, budget
-            )
-            if used2 <= budget and _row_max(w, row2, p.num_gpus) < lb_row * (1.0 - tol):
-                row, used, part = row2, used2, fp
-    # Never worse than keeping the old plan, and strictly better if anything moves.
-    new_lb = _row_lb(w, row, p.num_gpus)
-    old_lb = ctx.old_lb[layer]
-    if new_lb > old_lb or (used > 0 and new_lb >= old_lb * (1.0 - 1e-12)):
-        return prev.copy(), 0, False
-    regrouped = part is not None and not np.array_equal(part, ctx.old_parts[layer])
-    return row, used, bool(regrouped)
-
-
-def _replan_all(
-    args: _Replan, budgets: np.ndarray, ctx: _Context | None = None
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Re-plan every layer at the per-layer tolerance: ``(phy2log, moves, regrouped)``."""
-    ctx = _context(args) if ctx is None else ctx
-    layers = args.previous.shape[0]
-    phy2log = args.previous.copy()
-    moves = np.zeros(layers, dtype=np.int64)
-    regrouped = np.zeros(layers, dtype=bool)
-    for layer in range(layers):
-        phy2log[layer], moves[layer], regrouped[layer] = _replan_one(
-            args, ctx, layer, args.tolerance, int(budgets[layer])
-        )
-    return phy2log, moves, regrouped
-
-
-def _gpu_counts(row: np.ndarray, num_gpus: int, experts: int) -> np.ndarray:
-    """Replicas of every expert on every GPU of one layer, ``(num_gpus, experts)``."""
-    out = np.zeros((num_gpus, experts), dtype=np.int64)
-    np.add.at(out, (np.arange(len(row)) // (len(row) // num_gpus), row), 1)
-    return out
-
-
-def _matched_fresh(prev: np.ndarray, fresh: np.ndarray, args: _Replan) -> tuple[np.ndarray, int]:
-    """The fresh plan's row with its GPUs (and, hierarchical, nodes) relabelled to keep the most
-    replicas of the old row in place (an assignment problem); ``(row, moves)``."""
-    from scipy.optimize import linear_sum_assignment  # here: importing lbkit.eplb stays light
-
-    p = args.problem
-    experts, gpus = p.weight.shape[1], p.num_gpus
-    per = len(prev) // gpus
-    nodes = args.num_nodes if p.hierarchical else 1
-    gpn = gpus // nodes
-    a, b = _gpu_counts(prev, gpus, experts), _gpu_counts(fresh, gpus, experts)
-    keep = np.minimum(a[:, None, :], b[None, :, :]).sum(axis=2)  # (old GPU, fresh GPU)
-    node_keep = keep.reshape(nodes, gpn, nodes, gpn).sum(axis=(1, 3))
-    _, node_of = linear_sum_assignment(-node_keep)  # fresh node given to each old node
-    row = np.empty_like(prev)
-    for n in range(nodes):
-        m = int(node_of[n])
-        sub = keep[n * gpn : (n + 1) * gpn, m * gpn : (m + 1) * gpn]
-        _, gpu_of = linear_sum_assignment(-sub)
-        for i in range(gpn):
-            g, f = n * gpn + i, m * gpn + int(gpu_of[i])
-            row[g * per : (g + 1) * per] = _place(
-                prev[g * per : (g + 1) * per], fresh[f * per : (f + 1) * per]
-            )
-    moves = int(np.maximum(_gpu_counts(row, gpus, experts) - a, 0).sum())
-    return row, moves
-
-
-def _select(moves: np.ndarray, lb: np.ndarray, cap: float, limit: int | None = None) -> np.ndarray:
-    """Exact choice of one candidate per layer with at most ``limit`` total moves (default: no
-    limit): the fewest total moves such that ``sum(lb) <= cap``, then the smallest ``sum(lb)``;
-    the choice with the smallest ``sum(lb)`` (then fewest moves) if none fits. ``moves`` (int)
-    and ``lb`` are ``(layers, C)``; ``lb = inf`` marks a missing candidate, and some candidate
-    of every layer must have at most ``limit`` moves (column 0 has zero moves in every
-    caller). Dynamic programme over the total moves (a multiple-choice knapsack); ties: lowest
-    candidate index.
-
-    Runtime complexity: O(layers × C × min(limit, total moves of the largest candidates)).
-    """
-    layers, width = lb.shape
-    ok = np.isfinite(lb)
-    m = np.where(ok, moves, 0).astype(np.int64)
-    top = int(np.where(ok, m, 0).max(axis=1).sum())
-    if limit is not None:
-        ok &= m <= limit
-        top = min(top, int(limit))
-    best = np.zeros(top + 1)  # best[t]: smallest sum of lb with exactly t moves so far
-    best[1:] = np.inf
-    arg = np.zeros((layers, top + 1), dtype=np.int16)  # candidate index
-    for i in range(layers):
-        nxt = np.full(top + 1, np.inf)
-        for c in range(width):
-            if not ok[i, c]:
-                continue
-            k = int(m[i, c])
-            cand = np.full(top + 1, np.inf)
-            cand[k:] = best[: top + 1 - k] + lb[i, c]
-            better = cand < nxt
-            nxt[better] = cand[better]
-            arg[i, better] = c
-        best = nxt
-    fits = np.flatnonzero(best <= cap)
-    t = int(fits[0]) if len(fits) else int(np.argmin(best))
-    choice = np.empty(layers, dtype=np.int64)
-    for i in range(layers - 1, -1, -1):
-        choice[i] = arg[i, t]
-        t -= int(m[i, choice[i]])
-    return choice
-
-
-#: Per-layer tolerances tried in the mean mode, as multiples of ``tolerance``. A layer's moves
-#: fall in steps as its tolerance loosens, and the choice over layers can only use the steps it
-#: is shown: twelve levels instead of five (0.5, 0.75, 1, 1.4, 2) cut the moves by 2-4% (288
-#: slots / 32 GPUs, drift 0.05-0.1, seeds 1-5) for about twice the time.
-_LEVELS = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.2, 1.3, 1.4, 1.6, 2.0)
-
-#: One candidate of one layer: ``(moves, moe_lb, phy2log row, regrouped)``.
-_Candidate = tuple[int, float, np.ndarray, bool]
-
-
-def _mean_candidates(
-    args: _Replan, ctx: _Context, tolerance: float, budgets: np.ndarray
-) -> list[list[_Candidate]]:
-    """Candidates of every layer in the mean mode at ``tolerance`` (module docstring): the old
-    row first, the matched fresh plan, then the re-plans at the per-layer levels."""
-    p = args.problem
-    prev = args.previous
-    layers = prev.shape[0]
-    levels = sorted({tolerance * f for f in _LEVELS}, reverse=True)  # loose first
-    cands: list[list[_Candidate]] = []
-    for layer in range(layers):
-        budget = int(budgets[layer])
-        w = p.weight[layer]
-        opts: list[_Candidate] = [(0, float(ctx.old_lb[layer]), prev[layer], False)]
-        if ctx.old_lb[layer] > ctx.fresh_lb[layer] * (1.0 + min(levels)):
-            row, used = _matched_fresh(prev[layer], ctx.fresh[layer], args)
-            if used <= budget:
-                f_lb = _row_lb(w, row, p.num_gpus)
-                parts = ctx.old_parts
-                regroup = parts is not None and not np.array_equal(
-                    _old_partition(row[None, :], len(w), args.num_groups, args.num_nodes)[0],
-                    parts[layer],
-                )
-                opts.append((used, f_lb, row, bool(regroup)))
-        reached = np.inf
-        for tol in levels:
-            if reached <= ctx.fresh_lb[layer] * (1.0 + tol) * (1.0 + 1e-12):
-                continue  # a looser level's result already meets this one
-            row, used, regroup = _replan_one(args, ctx, layer, tol, budget)
-            v = _row_lb(w, row, p.num_gpus)
-            reached = min(reached, v)
-            if used > 0:
-                opts.append((used, v, row, regroup))
-        cands.append(opts)
-    return cands
-
-
-def _choose(
-    cands: list[list[_Candidate]], cap: float, limit: int | None = None
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One candidate per layer by :func:`_select`: ``(phy2log, moves, regrouped)``."""
-    layers = len(cands)
-    width = max(len(c) for c in cands)
-    m = np.zeros((layers, width), dtype=np.int64)
-    v = np.full((layers, width), np.inf)
-    for i, opts in enumerate(cands):
-        for j, (used, lb, _, _) in enumerate(opts):
-            m[i, j], v[i, j] = used, lb
-    choice = _select(m, v, cap, limit)
-    phy2log = np.stack([cands[i][choice[i]][2] for i in range(layers)])
-    regrouped = np.array([cands[i][choice[i]][3] for i in range(layers)], dtype=bool)
-    return phy2log, m[np.arange(layers), choice], regrouped
-
-
-def _replan_mean(args: _Replan, budgets: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Mean mode: candidates per layer, then the fewest moves with the mean ``moe_lb`` within
-    ``tolerance`` of the fresh plan's (module docstring)."""
-    ctx = _context(args)
-    cands = _mean_candidates(args, ctx, args.tolerance, budgets)
-    return _choose(cands, float(ctx.fresh_lb.sum()) * (1.0 + args.tolerance))
-
-
-def _budget_ladder(limit: int) -> list[int]:
-    out = {0, limit}
-    b = 1.0
-    while b < limit:
-        out.add(int(b))
-        b *= 1.5
-    return sorted(out)
-
-
-def _replan_total(args: _Replan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Re-plan under the total budget ``args.total`` (module docstring). The candidates do not
-    depend on the total, so that (mean scope) a larger total never gives a mean ``moe_lb``
-    above both a smaller total's and the tolerance target, and never above both the default
-    re-plan's (when its moves fit) and the target."""
-    p = args.problem
-    ctx = _context(args)
-    layers = p.weight.shape[0]
-    cap = float(ctx.fresh_lb.sum()) * (1.0 + args.tolerance)
-    first = _replan_all(args, args.budget, ctx)
-    if args.scope == "mean":
-        cands = _mean_candidates(args, ctx, args.tolerance, args.budget)
-    elif first[1].sum() <= args.total:
-        return first
-    else:
-        cands = [[(0, float(ctx.old_lb[i]), args.previous[i], False)] for i in range(layers)]
-    if args.tolerance != DEFAULT_TOLERANCE or args.scope != "mean":
-        # The default re-plan's candidates: never worse than the default when it fits.
-        extra = _mean_candidates(args, ctx, DEFAULT_TOLERANCE, args.budget)
-        for opts, more in zip(cands, extra, strict=True):
-            opts.extend(more[1:])
-    ladders = [[b for b in _budget_ladder(int(first[1][i])) if b > 0] or [0] for i in range(layers)]
-    runs = [first]
-    for k in range(max(len(lad) for lad in ladders)):
-        b = np.array([lad[min(k, len(lad) - 1)] for lad in ladders], dtype=np.int64)
-        runs.append(_replan_all(args, b, ctx))
-    for run in runs:
-        for i in range(layers):
-            if run[1][i] > 0:
-                v = float(moe_lb(p.weight[i : i + 1], run[0][i : i + 1], num_gpus=p.num_gpus)[0])
-                cands[i].append((int(run[1][i]), v, run[0][i], bool(run[2][i])))
-    if args.scope != "mean":
-        cap = -np.inf  # layer scope: the lowest mean within the total
-    return _choose(cands, cap, args.total)
 
 
 def _moves_list(prev: np.ndarray, new: np.ndarray, num_gpus: int, num_nodes: int) -> ExpertMoves:
@@ -859,12 +335,13 @@ def replan_experts(
         wrong shape, naming unknown experts, missing an expert or (hierarchical) splitting a
         group across nodes; negative budgets or tolerances; an unknown ``tolerance_scope``.
 
-    Runtime complexity: O(layers × (lower bound + C × G² × S² + U × R × (E + R))) for ``C``
-    exchange cycles of ``G`` GPUs of ``S`` slots, and ``U`` descent steps (only where the cycles
-    fall short) over ``R`` slots and ``E`` experts per sub-problem, times
-    the twelve per-layer tolerances in the mean scope, plus O(layers × 14 × total moves) for
-    the choice; with ``max_moves_total``, the mean scope twice (at ``tolerance`` and the
-    default) plus about ``log1.5(moves per layer)`` times the layer scope.
+    Runtime complexity: per sub-problem (``G`` GPUs of ``S`` slots, ``E`` experts) and per-layer
+    tolerance, O(C × G² × S²) for ``C`` exchange cycles, plus O(U × (G × S × E + H × G × S² ×
+    8)) for ``U <= G × S + 8`` steps of each search (excess descent, local search, give-back;
+    only where the cycles fall short, ``H`` GPUs above the target); times up to twelve per-layer
+    tolerances in the mean scope, plus the fresh plan, the lower bound and O(layers × 14 ×
+    total moves) for the choice; with ``max_moves_total``, the mean scope twice (at
+    ``tolerance`` and the default) plus about ``log1.5(moves per layer)`` times the layer scope.
 
     Examples
     --------
@@ -898,11 +375,11 @@ def replan_experts(
     )
     p = args.problem
     if args.total is not None:
-        phy2log, moves, regrouped = _replan_total(args)
+        phy2log, moves, regrouped = replan_total(args)
     elif args.scope == "mean":
-        phy2log, moves, regrouped = _replan_mean(args, args.budget)
+        phy2log, moves, regrouped = replan_mean(args, args.budget)
     else:
-        phy2log, moves, regrouped = _replan_all(args, args.budget)
+        phy2log, moves, regrouped = replan_all(args, args.budget)
     logcnt = np.zeros_like(p.weight, dtype=np.int64)
     layers, slots = phy2log.shape
     np.add.at(logcnt, (np.repeat(np.arange(layers), slots), phy2log.ravel()), 1)

@@ -1,0 +1,112 @@
+"""Group-to-node assignments of a hierarchical re-plan.
+
+Groups stay on the node of the old plan unless that costs balance: over every assignment of
+``num_groups / num_nodes`` groups per node (when there are more than :data:`MAX_ASSIGNMENTS`,
+over those reached by exchanging pairs of groups from the old one), let ``best`` be the
+smallest largest node load; the assignment kept is the one that moves the fewest groups among
+those whose largest node load is at most ``(1 + regroup_tolerance) * best`` (then the smaller
+largest node load, then enumeration order).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+
+__all__ = ["MAX_ASSIGNMENTS", "all_assignments", "choose_partition", "old_partition"]
+
+#: Group-to-node assignments enumerated exhaustively up to this many.
+MAX_ASSIGNMENTS = 50_000
+
+
+def old_partition(prev: np.ndarray, experts: int, num_groups: int, num_nodes: int) -> np.ndarray:
+    """Node of every group in every layer of a hierarchical plan, ``(layers, num_groups)``."""
+    layers, slots = prev.shape
+    node_of_slot = np.arange(slots) // (slots // num_nodes)
+    group = prev // (experts // num_groups)
+    lo = np.full((layers, num_groups), num_nodes, dtype=np.int64)
+    hi = np.full((layers, num_groups), -1, dtype=np.int64)
+    rows = np.repeat(np.arange(layers), slots)
+    np.minimum.at(lo, (rows, group.ravel()), np.tile(node_of_slot, layers))
+    np.maximum.at(hi, (rows, group.ravel()), np.tile(node_of_slot, layers))
+    if (lo != hi).any():
+        layer, g = (int(i) for i in np.argwhere(lo != hi)[0])
+        raise ValueError(
+            "previous_phy2log: the hierarchical policy keeps every group on one node, but group "
+            f"{g} of layer {layer} has replicas on nodes {lo[layer, g]} and {hi[layer, g]}"
+        )
+    per = num_groups // num_nodes
+    for layer in range(layers):
+        counts = np.bincount(lo[layer], minlength=num_nodes)
+        if (counts != per).any():
+            raise ValueError(
+                f"previous_phy2log: the hierarchical policy puts {per} groups on each node, "
+                f"layer {layer} has {counts.tolist()}"
+            )
+    return lo
+
+
+_ASSIGNMENT_CACHE: dict[tuple[int, int], np.ndarray] = {}
+
+
+def all_assignments(num_groups: int, num_nodes: int) -> np.ndarray | None:
+    """Every labelled assignment of groups to nodes with equal counts, in lexicographic order,
+    or ``None`` if there are more than :data:`MAX_ASSIGNMENTS`.
+
+    Built prefix by prefix (every prefix extended by every node with room left, which keeps
+    the lexicographic order), so the work is O(count × num_groups × num_nodes) for the
+    ``count = num_groups! / (num_groups / num_nodes)!^num_nodes`` assignments, not the
+    ``num_groups!`` of enumerating permutations and dropping repeats.
+    """
+    per = num_groups // num_nodes
+    count = math.factorial(num_groups) // math.factorial(per) ** num_nodes
+    if count > MAX_ASSIGNMENTS:
+        return None
+    key = (num_groups, num_nodes)
+    if key not in _ASSIGNMENT_CACHE:
+        prefix = np.zeros((1, 0), dtype=np.int64)
+        room = np.full((1, num_nodes), per, dtype=np.int64)
+        for _ in range(num_groups):
+            row, node = np.nonzero(room > 0)  # row-major: children of a prefix by node
+            prefix = np.column_stack([prefix[row], node])
+            room = room[row]
+            room[np.arange(len(row)), node] -= 1
+        _ASSIGNMENT_CACHE[key] = prefix
+    return _ASSIGNMENT_CACHE[key]
+
+
+def choose_partition(
+    group_load: np.ndarray, old: np.ndarray, num_nodes: int, regroup_tolerance: float
+) -> np.ndarray:
+    """Group-to-node assignment of one layer by the rule of the module docstring."""
+    if len(group_load) == num_nodes:  # one group per node: every assignment is as good
+        return old.copy()
+    cands = all_assignments(len(group_load), num_nodes)
+    if cands is None:  # exchanges of two groups from the old assignment, steepest descent
+        cands = [old.copy()]
+        cur = old.copy()
+        while True:
+            loads = np.bincount(cur, weights=group_load, minlength=num_nodes)
+            best, best_v = None, loads.max()
+            for a, b in itertools.combinations(range(len(cur)), 2):
+                if cur[a] == cur[b]:
+                    continue
+                trial = cur.copy()
+                trial[a], trial[b] = cur[b], cur[a]
+                v = np.bincount(trial, weights=group_load, minlength=num_nodes).max()
+                if v < best_v * (1 - 1e-12):
+                    best, best_v = trial, v
+            if best is None:
+                break
+            cur = best
+            cands.append(cur.copy())
+        cands = np.array(cands)
+    onehot = cands[:, :, None] == np.arange(num_nodes)[None, None, :]
+    node_load = np.einsum("akn,k->an", onehot, group_load)
+    top = node_load.max(axis=1)
+    moved = (cands != old[None, :]).sum(axis=1)
+    ok = top <= top.min() * (1.0 + regroup_tolerance) + 1e-12 * max(top.min(), 1.0)
+    order = np.lexsort((np.arange(len(cands)), top, np.where(ok, moved, np.iinfo(np.int64).max)))
+    return cands[order[0]]

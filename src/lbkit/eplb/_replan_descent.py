@@ -1,0 +1,452 @@
+"""The excess descent of a re-plan (step 3 of :func:`lbkit.eplb._replan_layer.replan_subproblem`).
+
+From a packing with GPUs above ``target``, lower the total excess ``sum_g max(0, load[g] -
+target)`` one step at a time: the step of largest reduction per move (a step that costs no move
+beats every paid one, free steps by reduction). Three kinds of step:
+
+- a **count change** (:data:`STEP_COUNT_CHANGE`, one move): a slot of an expert with two or more
+  replicas given to another expert, on a GPU above ``target`` or to an expert held by one;
+- a **swap** (:data:`STEP_SWAP`, two moves): a replica of a GPU above ``target`` exchanged with a
+  smaller one elsewhere;
+- a **chain** (:data:`STEP_CHAIN`, ``m + 1`` moves): GPUs above ``target`` ``h_1 .. h_m``
+  (``m >= 2``) each pass a replica to the previous one, ``h_1``'s going to a light GPU that
+  passes one to ``h_m``.
+
+A step's cost is its change in moves; steps beyond ``budget`` are skipped; ties: lowest GPU,
+slot, expert, and the kinds in that order. Clean arrays only (see ``_primitives.py`` for the
+vocabulary); every kernel also runs with ``NUMBA_DISABLE_JIT=1``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from lbkit.core._jit import jit
+from lbkit.eplb._primitives import (
+    _REL_TOL,
+    _apply_replace,
+    _apply_swap,
+    _excess,
+    _holders,
+    _loads,
+    _moves,
+    _replace_cost,
+    _swap_cost,
+)
+
+__all__ = ["MAX_CHAIN", "STEP_CHAIN", "STEP_COUNT_CHANGE", "STEP_NONE", "STEP_SWAP"]
+
+#: Kinds of descent step (:func:`_descend`); ``STEP_NONE``: no step lowers the excess.
+STEP_NONE = -1
+STEP_COUNT_CHANGE = 0
+STEP_SWAP = 1
+STEP_CHAIN = 2
+
+#: Most GPUs above the target in one chain.
+MAX_CHAIN = 8
+
+
+@jit
+def _step_score(red, cost, best_free, best_score):
+    """Score of a descent step lowering the excess by ``red`` for ``cost`` moves: ``red`` when
+    free (``cost <= 0``), else ``red / cost``; ``-1`` unless it beats the best step so far
+    (``best_free``, ``best_score``; a free step beats every paid one)."""
+    if cost <= 0:
+        if best_free and red <= best_score:
+            return -1.0
+        return red
+    if best_free or red / cost <= best_score:
+        return -1.0
+    return red / cost
+
+
+@jit
+def _best_count_change(
+    w, size, cnt, hold, cur, gpu_exp, load, target, budget, moves, start, gpus, hot, scratch,
+    best_free, best_score,
+):  # fmt: skip
+    """The best count change that beats ``(best_free, best_score)``: slot ``i`` of GPU ``h``
+    (expert ``a``, two or more replicas) given to expert ``b``; ``a``'s other replicas grow,
+    ``b``'s shrink. Returns ``(found, best_free, best_score, h, i, b)``.
+
+    ``start``, ``gpus``: the holders of every expert (:func:`_holders`); ``hot[e]``: some GPU
+    above ``target`` holds ``e``; ``scratch``: ``(dl, mark, touched, hot_list, reach)`` work
+    arrays. The step is the first of the best in the order of ``(h, i, b)``; GPUs above the
+    target are searched first, so that a good step is known early. A candidate is evaluated
+    only if an upper bound on its reduction can beat the best step so far: ``b``'s replicas
+    shrink by ``size[b] - w[b] / (cnt[b] + 1)``, lowering each holder's excess by at most that,
+    ``h``'s excess falls by at most ``size[a] - w[b] / (cnt[b] + 1)``, and ``a``'s other
+    replicas only grow.
+    """
+    dl, mark, touched, hot_list, reach = scratch
+    num_gpus, slots = gpu_exp.shape
+    num_log = w.shape[0]
+    tol = _REL_TOL * target
+    slack = 1e-9 * target  # above any rounding of a reduction
+    found = False
+    bh = bi = bb = -1
+    stamp = 0
+    for g in range(num_gpus):
+        mark[g] = 0
+    n_hot = 0
+    for b in range(num_log):
+        r = 0.0
+        shrink = size[b] - w[b] / (cnt[b] + 1)
+        for k in range(start[b], start[b + 1]):
+            r += min(_excess(load[gpus[k]], target), shrink)
+        reach[b] = r
+        if hot[b]:
+            hot_list[n_hot] = b
+            n_hot += 1
+    for pos in range(2 * num_gpus):  # GPUs above the target first: a high score early
+        h = pos % num_gpus
+        h_heavy = load[h] > target + tol
+        if h_heavy != (pos < num_gpus):
+            continue
+        h_exc = _excess(load[h], target)
+        n_b = num_log if h_heavy else n_hot
+        for i in range(slots):
+            a = gpu_exp[h, i]
+            if cnt[a] < 2:
+                continue
+            grow = w[a] / (cnt[a] - 1) - size[a]
+            for q in range(n_b):
+                b = q if h_heavy else hot_list[q]
+                if b == a or cur[h, b] > 0:
+                    continue
+                cost = _replace_cost(cur, hold, h, a, b)
+                if moves + cost > budget:
+                    continue
+                if cost > 0 and best_free:
+                    continue
+                nb = w[b] / (cnt[b] + 1)
+                bound = reach[b] + min(h_exc, max(size[a] - nb, 0.0)) + slack
+                if bound <= tol:
+                    continue
+                if cost <= 0:
+                    if best_free and bound <= best_score:
+                        continue
+                elif bound / cost <= best_score:
+                    continue
+                shrink = size[b] - nb
+                stamp += 1
+                nt = 0
+                for k in range(start[a], start[a + 1]):
+                    g = gpus[k]
+                    if mark[g] != stamp:
+                        mark[g] = stamp
+                        dl[g] = 0.0
+                        touched[nt] = g
+                        nt += 1
+                    dl[g] += grow
+                for k in range(start[b], start[b + 1]):
+                    g = gpus[k]
+                    if mark[g] != stamp:
+                        mark[g] = stamp
+                        dl[g] = 0.0
+                        touched[nt] = g
+                        nt += 1
+                    dl[g] -= shrink
+                dl[h] += nb - size[a] - grow
+                red = 0.0
+                for k in range(nt):
+                    g = touched[k]
+                    red += _excess(load[g], target) - _excess(load[g] + dl[g], target)
+                if red <= tol:
+                    continue
+                score = _step_score(red, cost, best_free, best_score)
+                if score < 0.0:
+                    # not better; equal to the best count change found and earlier in the
+                    # order of (h, i, b) (that order's first one is the step taken)
+                    if not found or (cost <= 0) != best_free:
+                        continue
+                    if (red if cost <= 0 else red / cost) != best_score:
+                        continue
+                    if h > bh or (h == bh and (i > bi or (i == bi and b > bb))):
+                        continue
+                    score = best_score
+                best_free = cost <= 0
+                best_score = score
+                found = True
+                bh = h
+                bi = i
+                bb = b
+    return found, best_free, best_score, bh, bi, bb
+
+
+@jit
+def _best_swap(size, hold, cur, gpu_exp, load, target, budget, moves, best_free, best_score):
+    """The best swap that beats ``(best_free, best_score)``: replica ``a`` (slot ``i``) of a GPU
+    ``h`` above ``target`` with a smaller replica ``b`` (slot ``j``) of GPU ``k``. Returns
+    ``(found, best_free, best_score, h, i, k, j)``."""
+    num_gpus, slots = gpu_exp.shape
+    tol = _REL_TOL * target
+    found = False
+    bh = bi = bk = bj = -1
+    for h in range(num_gpus):
+        if load[h] <= target + tol:
+            continue
+        for i in range(slots):
+            a = gpu_exp[h, i]
+            for k in range(num_gpus):
+                if k == h or cur[k, a] > 0:
+                    continue
+                for j in range(slots):
+                    b = gpu_exp[k, j]
+                    d = size[a] - size[b]
+                    if d <= tol or cur[h, b] > 0:
+                        continue
+                    red = (
+                        _excess(load[h], target)
+                        - _excess(load[h] - d, target)
+                        + _excess(load[k], target)
+                        - _excess(load[k] + d, target)
+                    )
+                    if red <= tol:
+                        continue
+                    cost = _swap_cost(cur, hold, h, a, k, b)
+                    if moves + cost > budget:
+                        continue
+                    score = _step_score(red, cost, best_free, best_score)
+                    if score < 0.0:
+                        continue
+                    best_free = cost <= 0
+                    best_score = score
+                    found = True
+                    bh = h
+                    bi = i
+                    bk = k
+                    bj = j
+    return found, best_free, best_score, bh, bi, bk, bj
+
+
+@jit
+def _close_chain(size, hold, cur, gpu_exp, load, target, cg, ci, m, mark, stamp, limit):
+    """The light GPU ``k`` (slot ``j``) that closes the chain ``cg[:m], ci[:m]``: it takes the
+    first GPU's replica and gives one of size at most ``limit`` to the last; among those, the
+    lowest load after the exchange (lowest GPU, slot among equals). Returns ``(k, j, load of k
+    after)``, ``k = -1`` if none."""
+    num_gpus, slots = gpu_exp.shape
+    tol = _REL_TOL * target
+    a1 = gpu_exp[cg[0], ci[0]]
+    last = cg[m - 1]
+    ck = cj = -1
+    ck_load = 0.0
+    for k in range(num_gpus):
+        if mark[k] == stamp or cur[k, a1] > 0:
+            continue
+        room = target - load[k] - size[a1]
+        for j in range(slots):
+            c = gpu_exp[k, j]
+            sc = size[c]
+            if sc > limit + tol or -sc > room + tol or cur[last, c] > 0:
+                continue
+            nl = load[k] + size[a1] - sc
+            if ck < 0 or nl < ck_load:
+                ck = k
+                cj = j
+                ck_load = nl
+    return ck, cj, ck_load
+
+
+@jit
+def _chain_value(size, hold, cur, gpu_exp, load, target, cg, ci, m, ck, cj, ck_load):
+    """``(cost, reduction of the excess)`` of the chain ``cg[:m], ci[:m]`` closed by slot ``cj``
+    of GPU ``ck``."""
+    cost = 0
+    red = 0.0
+    prev_e = gpu_exp[ck, cj]
+    for q in range(m - 1, -1, -1):
+        g = cg[q]
+        e_out = gpu_exp[g, ci[q]]
+        cost += _replace_cost(cur, hold, g, e_out, prev_e)
+        red += _excess(load[g], target) - _excess(load[g] - size[e_out] + size[prev_e], target)
+        prev_e = e_out
+    cost += _replace_cost(cur, hold, ck, gpu_exp[ck, cj], gpu_exp[cg[0], ci[0]])
+    red += _excess(load[ck], target) - _excess(ck_load, target)
+    return cost, red
+
+
+@jit
+def _best_chain(
+    size, hold, cur, gpu_exp, load, target, budget, moves, scratch, best, best_free, best_score
+):
+    """The best chain that beats ``(best_free, best_score)``, grown greedily from every slot of
+    every GPU above ``target``: each step adds the largest replica (of size at most the limit
+    the chain leaves) of another GPU above ``target`` that the last GPU does not hold.
+
+    ``scratch``: ``(mark, cg, ci)`` work arrays; the chain found goes to ``best = (bcg, bci)``.
+    Returns ``(found, best_free, best_score, m, k, j)``: ``m`` GPUs above ``target`` and the
+    closing slot ``j`` of GPU ``k``.
+    """
+    mark, cg, ci = scratch
+    bcg, bci = best
+    num_gpus, slots = gpu_exp.shape
+    tol = _REL_TOL * target
+    max_chain = min(num_gpus - 1, MAX_CHAIN)
+    found = False
+    bm = 0
+    bk = bj = -1
+    stamp = 0
+    for g in range(num_gpus):
+        mark[g] = 0
+    for h1 in range(num_gpus):
+        if load[h1] <= target + tol:
+            continue
+        for i1 in range(slots):
+            a1 = gpu_exp[h1, i1]
+            stamp += 1
+            mark[h1] = stamp
+            m = 1
+            cg[0] = h1
+            ci[0] = i1
+            limit = size[a1] - (load[h1] - target)
+            while True:
+                last = cg[m - 1]
+                ck = cj = -1
+                ck_load = 0.0
+                if m >= 2:  # a chain of one heavy GPU is a swap
+                    ck, cj, ck_load = _close_chain(
+                        size, hold, cur, gpu_exp, load, target, cg, ci, m, mark, stamp, limit
+                    )
+                if ck >= 0:
+                    cost, red = _chain_value(
+                        size, hold, cur, gpu_exp, load, target, cg, ci, m, ck, cj, ck_load
+                    )
+                    if red > tol and moves + cost <= budget:
+                        score = _step_score(red, cost, best_free, best_score)
+                        if score >= 0.0:
+                            best_free = cost <= 0
+                            best_score = score
+                            found = True
+                            bm = m
+                            for q in range(m):
+                                bcg[q] = cg[q]
+                                bci[q] = ci[q]
+                            bk = ck
+                            bj = cj
+                if m >= max_chain:
+                    break
+                nh = ni = -1
+                for g in range(num_gpus):
+                    if mark[g] == stamp or load[g] <= target + tol:
+                        continue
+                    for j in range(slots):
+                        x = gpu_exp[g, j]
+                        if size[x] > limit + tol or cur[last, x] > 0:
+                            continue
+                        if size[x] - (load[g] - target) <= tol:
+                            continue
+                        if nh < 0 or size[x] > size[gpu_exp[nh, ni]]:
+                            nh = g
+                            ni = j
+                if nh < 0:
+                    break
+                mark[nh] = stamp
+                cg[m] = nh
+                ci[m] = ni
+                m += 1
+                limit = size[gpu_exp[nh, ni]] - (load[nh] - target)
+    return found, best_free, best_score, bm, bk, bj
+
+
+@jit
+def _apply_chain(gpu_exp, cur, bcg, bci, bm, bk, bj):
+    """Make the chain ``bcg[:bm], bci[:bm]`` closed by slot ``bj`` of GPU ``bk``."""
+    a1 = gpu_exp[bcg[0], bci[0]]
+    for q in range(bm):
+        g = bcg[q]
+        e_out = gpu_exp[g, bci[q]]
+        e_in = gpu_exp[bcg[q + 1], bci[q + 1]] if q + 1 < bm else gpu_exp[bk, bj]
+        cur[g, e_out] -= 1
+        cur[g, e_in] += 1
+        gpu_exp[g, bci[q]] = e_in
+    c = gpu_exp[bk, bj]
+    cur[bk, c] -= 1
+    cur[bk, a1] += 1
+    gpu_exp[bk, bj] = a1
+
+
+@jit
+def _mark_hot(load, target, start, gpus, hot):
+    """``hot[e]``: some GPU above ``target`` holds expert ``e``."""
+    tol = _REL_TOL * target
+    for e in range(hot.shape[0]):
+        hot[e] = False
+        for k in range(start[e], start[e + 1]):
+            if load[gpus[k]] > target + tol:
+                hot[e] = True
+                break
+
+
+@jit
+def _descend(w, size, cnt, hold, cur, gpu_exp, load, target, budget, moves, max_steps, cur_tmp):
+    """Lower the total excess step by step (module docstring), at most ``max_steps`` steps.
+
+    Updates ``cnt``, ``size``, ``cur``, ``gpu_exp`` and ``load`` in place and returns the moves
+    of the final state.
+
+    Runtime complexity: O(max_steps × (G S E + H S G S + H S × MAX_CHAIN × G S)) for ``H`` GPUs
+    above ``target``.
+    """
+    num_gpus, slots = gpu_exp.shape
+    num_log = w.shape[0]
+    start = np.zeros(num_log + 1, dtype=np.int64)
+    gpus = np.empty(num_gpus * slots, dtype=np.int64)
+    hot = np.zeros(num_log, dtype=np.bool_)
+    change_scratch = (
+        np.zeros(num_gpus),
+        np.zeros(num_gpus, dtype=np.int64),
+        np.empty(num_gpus, dtype=np.int64),
+        np.empty(num_log, dtype=np.int64),
+        np.empty(num_log),
+    )
+    chain_scratch = (
+        np.zeros(num_gpus, dtype=np.int64),
+        np.empty(num_gpus, dtype=np.int64),
+        np.empty(num_gpus, dtype=np.int64),
+    )
+    bcg = np.empty(num_gpus, dtype=np.int64)
+    bci = np.empty(num_gpus, dtype=np.int64)
+    tol = _REL_TOL * target
+    for _step in range(max_steps):
+        heavy = 0
+        for g in range(num_gpus):
+            if load[g] > target + tol:
+                heavy += 1
+        if heavy == 0:
+            break
+        _holders(gpu_exp, num_log, start, gpus)
+        _mark_hot(load, target, start, gpus, hot)
+        kind = STEP_NONE
+        found, best_free, best_score, ch, ci, cb = _best_count_change(
+            w, size, cnt, hold, cur, gpu_exp, load, target, budget, moves, start, gpus, hot,
+            change_scratch, False, 0.0,
+        )  # fmt: skip
+        if found:
+            kind = STEP_COUNT_CHANGE
+        found, best_free, best_score, sh, si, sk, sj = _best_swap(
+            size, hold, cur, gpu_exp, load, target, budget, moves, best_free, best_score
+        )
+        if found:
+            kind = STEP_SWAP
+        found, best_free, best_score, bm, bk, bj = _best_chain(
+            size, hold, cur, gpu_exp, load, target, budget, moves, chain_scratch, (bcg, bci),
+            best_free, best_score,
+        )  # fmt: skip
+        if found:
+            kind = STEP_CHAIN
+        if kind == STEP_NONE:
+            break
+        if kind == STEP_CHAIN:
+            _apply_chain(gpu_exp, cur, bcg, bci, bm, bk, bj)
+        elif kind == STEP_COUNT_CHANGE:
+            a = gpu_exp[ch, ci]
+            _apply_replace(gpu_exp, cur, cnt, ch, ci, cb)
+            size[a] = w[a] / cnt[a]
+            size[cb] = w[cb] / cnt[cb]
+        else:
+            _apply_swap(gpu_exp, cur, sh, si, sk, sj)
+        _loads(size, gpu_exp, load)
+        moves = _moves(hold, gpu_exp, cur_tmp)
+    return moves
