@@ -11,17 +11,17 @@ from lbkit.core.replica import StoreError
 from lbkit.replicas import RedisStore
 
 
-def _sync(store, replica, version, values: dict, size=4):
+def _sync(store, replica, version, values: dict, size=4, whole=False):
     fields = np.array(list(values), dtype=np.int64)
     vals = np.array(list(values.values()), dtype=np.int64)
-    return store.sync("decode", replica, version, fields, vals, size)
+    return store.sync("decode", replica, version, fields, vals, size, whole=whole)
 
 
 def test_sync_sums_contributions_and_ignores_old_versions(any_server):
     store = RedisStore(any_server.url, namespace="s", budget_s=2.0)
-    tot, ver = _sync(store, "a", 1, {0: 3, 2: 2**50})
+    tot, ver = _sync(store, "a", 1, {0: 3, 2: 2**50}, whole=True)
     assert tot.tolist() == [3, 0, 2**50, 0] and ver == 1
-    tot, ver = _sync(store, "b", 1, {0: 1, 1: 5})
+    tot, ver = _sync(store, "b", 1, {0: 1, 1: 5}, whole=True)
     assert tot.tolist() == [4, 5, 2**50, 0] and ver == 1
     tot, _ = _sync(store, "a", 2, {0: 1, 2: 7})  # absolute values: totals move by the change
     assert tot.tolist() == [2, 5, 7, 0]
@@ -30,6 +30,9 @@ def test_sync_sums_contributions_and_ignores_old_versions(any_server):
         assert tot.tolist() == [2, 5, 7, 0] and ver == 2
     tot, ver = _sync(store, "a", -1, {})  # a view
     assert tot.tolist() == [2, 5, 7, 0] and ver == 2
+    # A partial publish applies only on top of version - 1 (the store holds what was sent).
+    assert _sync(store, "a", 4, {0: 50})[1] == 2
+    assert _sync(store, "c", 7, {0: 50})[1] == -1  # never published whole
     assert store.contributions("decode", 4)["a"].tolist() == [1, 0, 7, 0]
     assert _sync(store, "c", -1, {})[1] == -1  # never published
     contrib = store.contributions("decode", 4)
@@ -42,13 +45,15 @@ def test_sync_sums_contributions_and_ignores_old_versions(any_server):
 
 def test_an_unreachable_server_raises_store_error(own_server):
     store = RedisStore(own_server.url, namespace="x", budget_s=0.2)
-    _sync(store, "a", 1, {0: 1})
+    _sync(store, "a", 1, {0: 1}, whole=True)
     own_server.stop()
     with pytest.raises(StoreError):
         _sync(store, "a", 2, {0: 2})
-    own_server.start()  # the script cache is empty again: it is reloaded
-    tot, _ = _sync(store, "a", 3, {0: 2})
-    assert tot.tolist() == [2, 0, 0, 0]  # nothing persisted: the table starts empty
+    own_server.start()  # the script cache is empty again: it is loaded on connect
+    tot, ver = _sync(store, "a", 3, {0: 2})
+    assert tot.tolist() == [0, 0, 0, 0] and ver == -1  # nothing persisted: refused partial
+    tot, ver = _sync(store, "a", 4, {0: 2}, whole=True)
+    assert tot.tolist() == [2, 0, 0, 0] and ver == 4
 
 
 def test_a_paused_server_times_out_within_the_budget(own_server):

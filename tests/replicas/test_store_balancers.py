@@ -29,8 +29,9 @@ COST = PRESETS["h800_dsv3"].prefill
 _examples = iter(range(10**9))
 
 
-def _store(server, ns=None, budget_s=2.0):
-    return RedisStore(server.url, namespace=ns or f"h{next(_examples)}", budget_s=budget_s)
+def _store(server, ns=None, budget_s=2.0, mirror=False):
+    return RedisStore(server.url, namespace=ns or f"h{next(_examples)}", budget_s=budget_s,
+                      mirror=mirror)  # fmt: skip
 
 
 DECODE_OPS = st.lists(
@@ -66,15 +67,16 @@ def _decode_run(bal, ops):
 
 @settings(max_examples=30)
 @given(policy=st.sampled_from(sorted(POLICIES)), lookahead=st.sampled_from([0, 2]),
-       ops=DECODE_OPS)  # fmt: skip
+       ops=DECODE_OPS, mirror=st.booleans())  # fmt: skip
 def test_one_replica_decides_as_the_in_process_decode_balancer(redis_server, policy, lookahead,
-                                                               ops):  # fmt: skip
+                                                               ops, mirror):  # fmt: skip
     kw = dict(policy=policy, lookahead_steps=lookahead, max_kv_tokens=20000, rng=1)
-    store = _store(redis_server)
+    store = _store(redis_server, mirror=mirror)
     alone, shared = DecodeBalancer(N, **kw), DecodeBalancer(N, **kw, store=store, replica_id="a")
     assert _decode_run(alone, ops) == _decode_run(shared, ops)
     s = shared.statistics()
     assert s.store_fallbacks == 0 and s.store_errors == 0
+    store.flush()
     assert store.totals("decode", 2 * N).tolist() == [*s.num_requests, *s.kv_tokens]
     store.clear()
     store.close()
@@ -108,10 +110,12 @@ def _prefill_run(bal, ops):
 
 
 @settings(max_examples=30)
-@given(choice=st.sampled_from([RankChoice(), RankChoice(rule="least_load")]), ops=PREFILL_OPS)
-def test_one_replica_decides_as_the_in_process_prefill_balancer(redis_server, choice, ops):
+@given(choice=st.sampled_from([RankChoice(), RankChoice(rule="least_load")]), ops=PREFILL_OPS,
+       mirror=st.booleans())  # fmt: skip
+def test_one_replica_decides_as_the_in_process_prefill_balancer(redis_server, choice, ops,
+                                                                mirror):  # fmt: skip
     kw = dict(cost=COST, choice=choice, buckets=Buckets(edges=(16384, 65536)))
-    store = _store(redis_server)
+    store = _store(redis_server, mirror=mirror)
     alone = PrefillBalancer(3, 2, **kw)
     shared = PrefillBalancer(3, 2, **kw, store=store, replica_id="a")
     assert _prefill_run(alone, ops) == _prefill_run(shared, ops)
@@ -129,17 +133,47 @@ def test_two_replicas_see_each_other(redis_server):
     assert b.admit("y", 5000).rank == 1  # b counts a's request on rank 0
     assert b.statistics().foreign_kv_tokens == (5000, 0)
     a.finish("x")
+    store_a.flush()  # the finish's publish is pipelined: applied once its reply is read
     b.admit("z", 10)
     assert b.statistics().foreign_requests == (0, 0)
     with pytest.raises(KeyError):
         a.finish("x")  # a double finish is refused by the ledger: nothing is published
+    store_b.flush()
     assert store_a.totals("decode", 4).tolist() == [1, 1, 10, 5000]
     store_a.clear()
 
 
+def test_two_mirroring_replicas_see_each_other(redis_server):
+    stores = [_store(redis_server, "two-m", mirror=True) for _ in range(2)]
+    a = DecodeBalancer(2, store=stores[0], replica_id="a")
+    b = DecodeBalancer(2, store=stores[1], replica_id="b")
+    assert b.admit("w", 1).rank == 0  # b subscribes and snapshots
+    stores[1].flush()
+    assert a.admit("x", 5000).rank == 1  # a's snapshot holds w
+    stores[0].flush()  # applied and announced: b reads it at its next decision
+    assert b.admit("y", 5000).rank == 0
+    assert b.statistics().foreign_kv_tokens == (0, 5000)
+    a.finish("x")
+    stores[0].flush()
+    b.rebalance()
+    assert b.statistics().foreign_requests == (0, 0)
+    assert b._link.store._mirror.counts["snapshots"] == 1
+    stores[0].clear()  # announced: b's mirror takes a new snapshot
+    b.admit("z", 7)  # its partial publish is refused (the store lost b's contribution),
+    stores[1].flush()
+    b.admit("q", 3)  # which this call finds: b publishes whole
+    stores[1].flush()
+    want = np.concatenate([b.num_requests(), b.kv_tokens()])
+    assert stores[0].totals("decode", 4).tolist() == want.tolist()
+    assert b._link.store._mirror.counts["snapshots"] == 2
+    assert b.statistics().store_reconnects == 1
+    stores[0].clear()
+
+
 def test_concurrent_replicas_add_up(redis_server):
-    """K processes admit, finish (twice) and step at once: the totals are the sum of the
-    contributions and of the replicas' own ledgers."""
+    """K processes admit, finish (twice) and step at once, half of them viewing the store and
+    half mirroring it: the totals are the sum of the contributions and of the replicas' own
+    ledgers."""
     k, ops = 4, 150
     here = Path(__file__).resolve().parent
     env = dict(os.environ, NUMBA_DISABLE_JIT="1")  # no compile per process: plain Python
@@ -154,6 +188,7 @@ def test_concurrent_replicas_add_up(redis_server):
                 f"r{i}",
                 str(i),
                 str(ops),
+                *(["mirror"] if i % 2 else []),
             ],
             stdout=subprocess.PIPE,
             env=env,
@@ -317,7 +352,9 @@ def test_a_killed_replica_is_reaped_and_a_paused_one_comes_back_whole(redis_serv
     assert store.reap("decode", max_silence_s=0.5) == ("dead", "paused")
     assert store.reap("decode", max_silence_s=0.5) == ()  # idempotent
     assert store.totals("decode", n).tolist() == ledger["alive"].tolist()
-    paused.finish("p0")  # its partial publish is refused: it publishes whole
+    paused.finish("p0")  # its partial publish is refused,
+    paused.admit("p6", 70)  # which its next call finds: it publishes whole
+    paused._link.store.flush()
     ledger["paused"] = np.concatenate([paused.num_requests(), paused.kv_tokens()])
     assert store.totals("decode", n).tolist() == (ledger["alive"] + ledger["paused"]).tolist()
     assert paused.statistics().store_reconnects == 1

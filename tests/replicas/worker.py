@@ -1,9 +1,11 @@
-"""One router replica for the tests: ``python worker.py URL NAMESPACE ID SEED OPS [hold]``.
+"""One router replica for the tests: ``python worker.py URL NAMESPACE ID SEED OPS [hold]
+[mirror]``.
 
 Admits, finishes and steps requests of a decode balancer and routes, progresses and finishes
 requests of a prefill balancer, both on the shared store, with retried finishes (a second
 ``finish`` of the same id is refused by the ledger and changes nothing). Prints its own
-ledgers' per-rank loads as JSON, then (with ``hold``) waits to be killed.
+ledgers' per-rank loads as JSON once the store applied every publish, then (with ``hold``)
+waits to be killed. With ``mirror`` the store mirrors the totals (no view reads the store).
 """
 
 from __future__ import annotations
@@ -24,9 +26,9 @@ DECODE_RANKS, ENGINES, RANKS = 8, 2, 2
 
 def main() -> None:
     url, ns, rid, seed, ops = sys.argv[1:6]
-    hold = sys.argv[6:] == ["hold"]
+    hold = "hold" in sys.argv[6:]
     rng = np.random.default_rng(int(seed))
-    store = RedisStore(url, namespace=ns, budget_s=5.0)
+    store = RedisStore(url, namespace=ns, budget_s=5.0, mirror="mirror" in sys.argv[6:])
     dec = DecodeBalancer(DECODE_RANKS, store=store, replica_id=rid)
     pre = PrefillBalancer(ENGINES, RANKS, cost=PRESETS["h800_dsv3"].prefill, store=store,
                           replica_id=rid)  # fmt: skip
@@ -56,6 +58,7 @@ def main() -> None:
                 live_p.remove(j)
         else:
             dec.step()
+    store.flush()
     d, p = dec.statistics(), pre.statistics()
     quota = np.rint(np.asarray(pre.rank_loads()) * 1e9).astype(np.int64)
     print(json.dumps({

@@ -1,37 +1,41 @@
 """``RedisStore``: per-rank load totals and each replica's contribution on a Redis server.
 
 Keys, per table (``kind`` is ``"decode"`` or ``"prefill"``; every key of a namespace carries the
-hash tag ``{namespace}``, so a cluster keeps them in one slot):
+hash tag ``{namespace}``, so a cluster keeps them in one slot), ``lbkit:{ns}:KIND:PART`` with
+the parts of :mod:`lbkit.replicas.scripts`: the totals and each replica's contribution (strings
+of int64 fields), the versions, the replicas, the heartbeats, the change counter and the
+channel announcing each change.
 
-- ``lbkit:{ns}:KIND:tot``: hash, field ``i`` (flat index ``column * ranks + rank``) to the
-  total over replicas, an integer;
-- ``lbkit:{ns}:KIND:c:REPLICA``: hash, the same fields, this replica's contribution;
-- ``lbkit:{ns}:KIND:ver``: hash, replica to the version of its last applied publish;
-- ``lbkit:{ns}:KIND:replicas``: set of the replicas holding a contribution;
-- ``lbkit:{ns}:KIND:seen``: hash, replica to the server's time of its last call, ms (the
-  heartbeat: every call is one);
-- ``lbkit:{ns}:KIND:reaped``: set of the replicas whose contribution :meth:`RedisStore.reap`
-  removed.
+One Lua script (``SYNC``) publishes and views atomically: when the version allows it, each
+published field's total moves by (new - old contribution) and the contribution becomes the new
+value; then the totals are returned as one string of int64 fields, with the version of the
+replica's last applied publish. A partial publish applies only on top of the replica's publish
+of the version before it (the store holds exactly what the replica last sent); a whole one
+over any older version. A publish the store refused shows in the next view's version, older
+than the replica's: the replica then publishes whole (:mod:`lbkit.core.replica`, *rebuild*).
 
-One Lua script (``SYNC``) publishes and views atomically: when the version is newer than the
-replica's last applied one, each published field's total moves by (new - old contribution)
-and the contribution becomes the new value; then the totals are returned as one comma-separated
-string (a reply of one string parses far faster than one of every field; ``size = 0`` returns
-none, for a publish whose caller needs no view), with the version of the replica's last
-applied publish. The totals are read with one ``HGETALL`` (linear in the fields even in the
-compact encoding of small hashes, where each ``HMGET`` field is a scan).
-Values are integers (``HINCRBY``); Lua holds them as doubles, exact below ``2**53``.
+Round trips
+-----------
+A publish is pipelined (:mod:`lbkit.replicas.pipe`): written to the socket without waiting,
+its reply read with the next call's. A decision then costs, in the store:
+
+- ``mirror=False`` (default): one round trip, the view (a ``GET`` of the totals in the
+  script); a finish or a step none;
+- ``mirror=True``: none. The store keeps the totals in a local mirror, current from the
+  announcements of every change (:mod:`lbkit.replicas.mirror`); the view is at most the
+  announcements in flight old, and each replica parses every other replica's announcements.
 
 Reaping
 -------
 A replica that crashed leaves its contribution in the totals. :meth:`RedisStore.reap` (run by
 any replica, or by an operator's job; atomic per replica, so concurrent reapers are safe) takes
 out the contribution of every replica silent for ``max_silence_s``: the totals move by minus
-its contribution, and the replica is marked reaped. A reaped replica that was only paused is
-refused every partial publish and told so (its stored version reads ``-2``): it publishes its
-whole ledger again at once (:mod:`lbkit.core.replica`, *rebuild*), so nothing is lost when it
-comes back, and nothing is counted twice if it does not. A replica idle for longer than the
-silence has nothing at stake either: its next call rebuilds it.
+its contribution, and the replica is marked reaped (version ``-2``). A reaped replica that was
+only paused is refused every partial publish: it publishes its whole ledger again at once, so
+nothing is lost when it comes back, and nothing is counted twice if it does not. A replica idle
+for longer than the silence has nothing at stake either: its next call rebuilds it.
+:class:`lbkit.core.replica.ReplicaLink` runs the reaper of its table itself when its replica
+holds the ``reaper`` lease (``reap_s=``).
 
 Leader lease
 ------------
@@ -43,15 +47,14 @@ under the latest epoch: a leader that paused past its lease and was replaced fin
 writes refused. Followers read the versioned payload with :meth:`RedisStore.read_fenced` and
 apply a version newer than the one they hold.
 
-Commands: ``EVALSHA``/``EVAL``, ``TIME``, ``GET``, ``SET``, ``INCR``, ``PEXPIRE``, ``HGET``,
-``HMGET``, ``HSET``, ``HDEL``, ``HINCRBY``, ``HGETALL``, ``HKEYS``, ``SADD``, ``SREM``,
-``SISMEMBER``, ``SMEMBERS``, ``DEL``, all in Redis 6.2 and
-Valkey (scripts replicate by effects, the default since Redis 5, so ``TIME`` may precede
-writes).
+Commands: ``EVALSHA``, ``SCRIPT LOAD``, ``TIME``, ``GET``, ``SET``, ``INCR``, ``PEXPIRE``,
+``STRLEN``, ``BITFIELD``, ``HGET``, ``HMGET``, ``HSET``, ``HDEL``, ``HINCRBY``, ``HKEYS``,
+``SADD``, ``SREM``, ``SMEMBERS``, ``DEL``, ``PUBLISH``, ``SUBSCRIBE``, all in Redis 6.2 and
+Valkey.
 
-Every call has a time budget (``budget_s``: socket connect and read timeouts, no retries); a
-call that fails or exceeds it raises :class:`lbkit.core.replica.StoreError`, and the balancer
-falls back (:mod:`lbkit.core.replica`).
+Every call has a time budget (``budget_s``: socket connect and read timeouts, no retries but
+one on a connection found broken); a call that fails or exceeds it raises
+:class:`lbkit.core.replica.StoreError`, and the balancer falls back (:mod:`lbkit.core.replica`).
 """
 
 from __future__ import annotations
@@ -60,111 +63,46 @@ from typing import Any
 
 import numpy as np
 
-from lbkit.core.replica import StoreError
 from lbkit.core.validation import check_real
+from lbkit.replicas import scripts
+from lbkit.replicas.mirror import Mirror, parse_table
+from lbkit.replicas.pipe import Pipe
 
 __all__ = ["RedisStore"]
 
-SYNC = """
-local t0 = redis.call('TIME')
-local ms = tonumber(t0[1]) * 1000 + math.floor(tonumber(t0[2]) / 1000)
-local cur = tonumber(redis.call('HGET', KEYS[3], ARGV[1]) or '-1')
-local ver = tonumber(ARGV[2])
-local whole = ARGV[4] == '1'
-local reaped = redis.call('SISMEMBER', KEYS[5], ARGV[1]) == 1
-local applied = 0
-if ver >= 0 and ver > cur and (whole or not reaped) then
-  for i = 5, #ARGV, 2 do
-    local f = ARGV[i]
-    local new = tonumber(ARGV[i + 1])
-    local old = tonumber(redis.call('HGET', KEYS[2], f) or '0')
-    if new ~= old then
-      redis.call('HINCRBY', KEYS[1], f, string.format('%.0f', new - old))
-      redis.call('HSET', KEYS[2], f, ARGV[i + 1])
-    end
-  end
-  redis.call('HSET', KEYS[3], ARGV[1], ARGV[2])
-  redis.call('SADD', KEYS[4], ARGV[1])
-  redis.call('SREM', KEYS[5], ARGV[1])
-  reaped = false
-  applied = 1
-end
-redis.call('HSET', KEYS[6], ARGV[1], ms)
-local stored = redis.call('HGET', KEYS[3], ARGV[1]) or '-1'
-if reaped then stored = '-2' end
-local size = tonumber(ARGV[3])
-if size == 0 then return {applied, '', stored} end
-local t = {}
-for i = 1, size do t[i] = '0' end
-local kv = redis.call('HGETALL', KEYS[1])
-for i = 1, #kv, 2 do
-  local f = tonumber(kv[i])
-  if f < size then t[f + 1] = kv[i + 1] end
-end
-return {applied, table.concat(t, ','), stored}
-"""
-
-REAP = """
-local t0 = redis.call('TIME')
-local ms = tonumber(t0[1]) * 1000 + math.floor(tonumber(t0[2]) / 1000)
-local last = tonumber(redis.call('HGET', KEYS[5], ARGV[1]) or '-1')
-if last < 0 or ms - last < tonumber(ARGV[2]) then return 0 end
-local kv = redis.call('HGETALL', KEYS[2])
-for i = 1, #kv, 2 do
-  redis.call('HINCRBY', KEYS[1], kv[i], string.format('%.0f', -tonumber(kv[i + 1])))
-end
-redis.call('DEL', KEYS[2])
-redis.call('SREM', KEYS[3], ARGV[1])
-redis.call('SADD', KEYS[4], ARGV[1])
-redis.call('HDEL', KEYS[5], ARGV[1])
-return 1
-"""
-ACQUIRE = """
-local cur = redis.call('GET', KEYS[1])
-if cur then
-  local holder, epoch = string.match(cur, '^(.*):(%d+)$')
-  if holder == ARGV[1] then
-    redis.call('PEXPIRE', KEYS[1], ARGV[2])
-    return tonumber(epoch)
-  end
-  return -1
-end
-local epoch = redis.call('INCR', KEYS[2])
-redis.call('SET', KEYS[1], ARGV[1] .. ':' .. epoch, 'NX', 'PX', ARGV[2])
-return epoch
-"""
-
-RELEASE = """
-local cur = redis.call('GET', KEYS[1])
-if cur and cur == ARGV[1] .. ':' .. ARGV[2] then
-  redis.call('DEL', KEYS[1])
-  return 1
-end
-return 0
-"""
-
-WRITE_FENCED = """
-if tonumber(redis.call('GET', KEYS[1]) or '0') ~= tonumber(ARGV[1]) then return -1 end
-local version = redis.call('HINCRBY', KEYS[2], 'version', 1)
-redis.call('HSET', KEYS[2], 'epoch', ARGV[1], 'payload', ARGV[2])
-return version
-"""
-
-#: Fields of one table at most (for the ``HINCRBY`` sums to stay exact: values below 2**53).
+#: Fields of one table at most (for the sums to stay exact: values below 2**53).
 MAX_FIELDS = 1 << 20
+_SCRIPTS = {
+    "sync": scripts.SYNC,
+    "snap": scripts.SNAP,
+    "reap": scripts.REAP,
+    "acquire": scripts.ACQUIRE,
+    "release": scripts.RELEASE,
+    "write_fenced": scripts.WRITE_FENCED,
+}
+_TABLES = ("decode", "prefill")
+#: Publishes in flight from which a call reads the replies that have come (fewer reads, each
+#: of many replies at once; a refused publish shows within this many calls).
+POLL_PENDING = 8
 
 
-def _dense(pairs: list[Any], size: int) -> np.ndarray:
-    out = np.zeros(size, dtype=np.int64)
-    for i in range(0, len(pairs), 2):
-        f = int(pairs[i])
-        if f < size:
-            out[f] = int(pairs[i + 1])
-    return out
+def _name_iv(value: Any, name: str) -> str:
+    if not isinstance(value, str) or not value or any(c in value for c in "{}:"):
+        raise ValueError(
+            f"{name}: must be a non-empty str without '{{', '}}' or ':', got {value!r}"
+        )
+    return value
 
 
-def _row(text: bytes, size: int) -> np.ndarray:
-    return np.array(text.decode().split(","), dtype=np.int64) if size else np.zeros(0, np.int64)
+class _Sent:
+    """What this store sent for one replica in one table."""
+
+    __slots__ = ("last", "refused", "whole")
+
+    def __init__(self) -> None:
+        self.last = -1  # version of the last publish sent
+        self.whole = -1  # version of the last whole publish sent
+        self.refused: int | None = None  # stored version of a refused publish, until told
 
 
 class RedisStore:
@@ -178,9 +116,13 @@ class RedisStore:
         Names the pool: every replica of one pool uses the same namespace, and one store may
         serve a decode and a prefill balancer (their tables are apart).
     budget_s : float, default 0.1
-        Time budget of each call, seconds (connect and read timeouts; no retries).
+        Time budget of each call, seconds (connect and read timeouts).
+    mirror : bool, default False
+        Keep the totals in a local mirror current from the store's announcements, so that a
+        decision makes no round trip (the module documentation).
     client : redis.Redis, optional
-        A client to use instead of one made from ``url`` (its own timeouts then apply).
+        A client to use instead of one made from ``url`` (its pool, with its timeouts, makes
+        the store's connections).
 
     Raises
     ------
@@ -189,12 +131,18 @@ class RedisStore:
     ValueError
         An empty namespace, or one holding ``{``, ``}`` or ``:``.
 
-    Runtime complexity: one round trip per call; the server's work is O(published fields +
-    fields of the table).
+    Runtime complexity: a view is one round trip (none with ``mirror``), a publish none (it is
+    pipelined); the server's work is O(published fields + fields of the table).
     """
 
     def __init__(
-        self, url: str, *, namespace: str, budget_s: float = 0.1, client: Any = None
+        self,
+        url: str,
+        *,
+        namespace: str,
+        budget_s: float = 0.1,
+        mirror: bool = False,
+        client: Any = None,
     ) -> None:
         try:
             import redis
@@ -204,12 +152,10 @@ class RedisStore:
             raise ImportError(
                 "lbkit.replicas.RedisStore needs redis-py: pip install 'lbkit[redis]'"
             ) from None
-        if not isinstance(namespace, str) or not namespace or any(c in namespace for c in "{}:"):
-            raise ValueError(
-                f"namespace: must be a non-empty str without '{{', '}}' or ':', got {namespace!r}"
-            )
-        self.namespace = namespace
+        self.namespace = _name_iv(namespace, "namespace")
         self.budget_s = check_real(budget_s, "budget_s", min_value=0.0, strict_min=True)
+        if type(mirror) is not bool:
+            raise TypeError(f"mirror: must be a bool, got {type(mirror).__name__}")
         if client is None:
             client = redis.Redis.from_url(
                 url,
@@ -220,15 +166,38 @@ class RedisStore:
             )
         self._client = client
         self._errors = (redis.exceptions.RedisError, OSError)
-        self._sync = client.register_script(SYNC)
-        self._reap = client.register_script(REAP)
-        self._acquire = client.register_script(ACQUIRE)
-        self._release = client.register_script(RELEASE)
-        self._write_fenced = client.register_script(WRITE_FENCED)
+        self._pipe = Pipe(client.connection_pool, _SCRIPTS, self._errors)
+        self._keys: dict[tuple[str, str], list[bytes]] = {}
+        self._sent: dict[tuple[str, str], _Sent] = {}
+        self._own: dict[tuple[str, str], np.ndarray] = {}
+        self._mirror = (
+            Mirror(dict(client.connection_pool.connection_kwargs), self._snapshot, self._channel)
+            if mirror
+            else None
+        )
+
+    @property
+    def mirrored(self) -> bool:
+        """Whether views come from the local mirror."""
+        return self._mirror is not None
 
     def _key(self, table: str, part: str) -> str:
         return f"lbkit:{{{self.namespace}}}:{table}:{part}"
 
+    def _channel(self, table: str) -> bytes:
+        return self._key(table, "ch").encode()
+
+    def _table_keys(self, table: str, replica_id: str) -> list[bytes]:
+        keys = self._keys.get((table, replica_id))
+        if keys is None:
+            keys = [
+                self._key(table, p + replica_id if p == "c:" else p).encode()
+                for p in scripts.TABLE_PARTS
+            ]
+            self._keys[(table, replica_id)] = keys
+        return keys
+
+    # ------------------------------------------------------------------ the protocol
     def sync(
         self,
         key: str,
@@ -239,21 +208,67 @@ class RedisStore:
         size: int,
         whole: bool = False,
     ) -> tuple[np.ndarray | None, int]:
-        """Publish and view in one atomic script (:class:`lbkit.core.replica.Store`)."""
-        keys = [self._key(key, "tot"), self._key(key, f"c:{replica_id}"),
-                self._key(key, "ver"), self._key(key, "replicas"), self._key(key, "reaped"),
-                self._key(key, "seen")]  # fmt: skip
+        """Publish and view (:class:`lbkit.core.replica.Store`). A publish is pipelined and
+        the version returned for it is the one sent (the next view tells the one held)."""
         if size > MAX_FIELDS:
             raise ValueError(f"size: a table holds at most {MAX_FIELDS} fields, got {size}")
-        args: list[Any] = [replica_id, int(version), int(size), int(bool(whole))]
-        for f, v in zip(fields.tolist(), values.tolist(), strict=True):
-            args += (f, v)
-        try:
-            _, tot, stored = self._sync(keys=keys, args=args)
-        except self._errors as exc:
-            raise StoreError(f"{type(exc).__name__}: {exc}") from exc
-        return (_row(tot, size) if size else None), int(stored)
+        keys = self._table_keys(key, replica_id)
+        args = [replica_id.encode(), b"%d" % version, b"%d" % size, b"1" if whole else b"0"]
+        if version >= 0:
+            for f, v in zip(fields.tolist(), values.tolist(), strict=True):
+                args += (b"%d" % f, b"%d" % v)
+        sent = self._sent.get((key, replica_id))
+        if sent is None:
+            sent = self._sent[(key, replica_id)] = _Sent()
+        mirror = self._mirror
+        if mirror is None and size:  # a view: one round trip (the publishes in flight first)
+            stored, tot = self._pipe.call("sync", keys, args)
+            if version >= 0:
+                sent.last = version
+                if whole:
+                    sent.whole = version
+            sent.refused = None
+            return parse_table(tot, size), int(stored)
+        if self._pipe.pending >= POLL_PENDING:
+            self._pipe.poll()  # the replies that have come: a refused publish shows
+        if version >= 0:
+            args[2] = b"0"
+            self._pipe.post("sync", keys, args, self._on_publish(sent, version))
+            sent.last = version
+            if whole:
+                sent.whole = version
+        stored = sent.last if sent.refused is None else sent.refused
+        sent.refused = None
+        if not size:
+            return None, stored
+        foreign = mirror.foreign(key, replica_id, size)
+        own = self._own.setdefault((key, replica_id), np.zeros(size, dtype=np.int64))
+        if version >= 0:
+            if whole:
+                own[:] = 0
+            own[fields] = values
+        return foreign + own, stored
 
+    def _on_publish(self, sent: _Sent, version: int) -> Any:
+        def on_reply(reply: Any) -> None:
+            held = -1 if reply is None else int(reply[0])
+            if held != version and version >= sent.whole:
+                sent.refused = held
+
+        return on_reply
+
+    def _snapshot(self, table: str, replica_ids: list[str]) -> tuple[Any, bytes, list[bytes]]:
+        keys = [self._key(table, "tot").encode(), self._key(table, "seq").encode()]
+        keys += [self._key(table, "c:" + r).encode() for r in replica_ids]
+        out = self._pipe.call("snap", keys, [])
+        return out[0], out[1], out[2:]
+
+    def flush(self) -> None:
+        """Wait until the server has applied every publish sent (raises
+        :class:`StoreError` when it does not answer within the budget)."""
+        self._pipe.drain()
+
+    # ------------------------------------------------------------------ reaping
     def reap(self, key: str, *, max_silence_s: float) -> tuple[str, ...]:
         """Take out of table ``key`` the contribution of every replica whose last call is
         ``max_silence_s`` seconds old or older (server time); return their ids.
@@ -262,26 +277,20 @@ class RedisStore:
         O(its fields).
         """
         silence_ms = round(check_real(max_silence_s, "max_silence_s", min_value=0.0) * 1000)
-        keys = [self._key(key, p) for p in ("tot", "", "replicas", "reaped", "seen")]
         out = []
-        try:
-            for name in sorted(m.decode() for m in self._client.hkeys(keys[4])):
-                keys[1] = self._key(key, f"c:{name}")
-                if self._reap(keys=keys, args=[name, silence_ms]):
-                    out.append(name)
-        except self._errors as exc:
-            raise StoreError(f"{type(exc).__name__}: {exc}") from exc
+        seen = self._pipe.command("HKEYS", self._key(key, "seen"))
+        for name in sorted(m.decode() for m in seen):
+            keys = self._table_keys(key, name)
+            if self._pipe.call("reap", keys, [name.encode(), b"%d" % silence_ms]):
+                out.append(name)
         return tuple(out)
 
     # ------------------------------------------------------------------ leader
-    def _lease_keys(self, name: str) -> list[str]:
-        if not isinstance(name, str) or not name or any(c in name for c in "{}:"):
-            raise ValueError(
-                f"name: must be a non-empty str without '{{', '}}' or ':', got {name!r}"
-            )
-        return [f"lbkit:{{{self.namespace}}}:lease:{name}",
-                f"lbkit:{{{self.namespace}}}:epoch:{name}",
-                f"lbkit:{{{self.namespace}}}:fenced:{name}"]  # fmt: skip
+    def _lease_keys(self, name: str) -> list[bytes]:
+        _name_iv(name, "name")
+        return [f"lbkit:{{{self.namespace}}}:lease:{name}".encode(),
+                f"lbkit:{{{self.namespace}}}:epoch:{name}".encode(),
+                f"lbkit:{{{self.namespace}}}:fenced:{name}".encode()]  # fmt: skip
 
     def acquire_lease(self, name: str, replica_id: str, *, ttl_s: float) -> int:
         """Take or renew the lease ``name`` for ``ttl_s`` seconds; its fencing epoch, or -1
@@ -293,36 +302,26 @@ class RedisStore:
         ttl_ms = max(1, round(check_real(ttl_s, "ttl_s", min_value=0.0, strict_min=True) * 1000))
         if not isinstance(replica_id, str) or not replica_id or ":" in replica_id:
             raise ValueError(f"replica_id: must be a non-empty str without ':', got {replica_id!r}")
-        try:
-            return int(self._acquire(keys=keys[:2], args=[replica_id, ttl_ms]))
-        except self._errors as exc:
-            raise StoreError(f"{type(exc).__name__}: {exc}") from exc
+        return int(self._pipe.call("acquire", keys[:2], [replica_id.encode(), b"%d" % ttl_ms]))
 
     def release_lease(self, name: str, replica_id: str, epoch: int) -> bool:
         """Give up the lease if ``replica_id`` holds it under ``epoch``; whether it did."""
         keys = self._lease_keys(name)
-        try:
-            return bool(self._release(keys=keys[:1], args=[replica_id, int(epoch)]))
-        except self._errors as exc:
-            raise StoreError(f"{type(exc).__name__}: {exc}") from exc
+        return bool(self._pipe.call("release", keys[:1], [replica_id.encode(),
+                                                          b"%d" % int(epoch)]))  # fmt: skip
 
     def write_fenced(self, name: str, epoch: int, payload: str) -> int:
         """Store ``payload`` under lease ``name`` if ``epoch`` is the latest granted; the new
         version (1, 2, ...), or -1 for a refused write (a newer leader exists)."""
         keys = self._lease_keys(name)
-        try:
-            return int(self._write_fenced(keys=[keys[1], keys[2]], args=[int(epoch), payload]))
-        except self._errors as exc:
-            raise StoreError(f"{type(exc).__name__}: {exc}") from exc
+        return int(self._pipe.call("write_fenced", [keys[1], keys[2]],
+                                   [b"%d" % int(epoch), payload.encode()]))  # fmt: skip
 
     def read_fenced(self, name: str) -> tuple[int, int, str] | None:
         """``(epoch, version, payload)`` of the last fenced write under ``name`` (``None``:
         none yet)."""
         keys = self._lease_keys(name)
-        try:
-            got = self._client.hmget(keys[2], ["epoch", "version", "payload"])
-        except self._errors as exc:
-            raise StoreError(f"{type(exc).__name__}: {exc}") from exc
+        got = self._pipe.command("HMGET", keys[2], "epoch", "version", "payload")
         if got[0] is None:
             return None
         return int(got[0]), int(got[1]), got[2].decode()
@@ -330,40 +329,32 @@ class RedisStore:
     # ------------------------------------------------------------------ inspection
     def totals(self, key: str, size: int) -> np.ndarray:
         """Totals of table ``key`` (``"decode"`` or ``"prefill"``), ``size`` int64 fields."""
-        try:
-            return _dense(self._flat(self._client.hgetall(self._key(key, "tot"))), size)
-        except self._errors as exc:
-            raise StoreError(f"{type(exc).__name__}: {exc}") from exc
+        return parse_table(self._pipe.command("GET", self._key(key, "tot")), size)
 
     def contributions(self, key: str, size: int) -> dict[str, np.ndarray]:
         """Each replica's contribution to table ``key``, ``size`` int64 fields each."""
-        try:
-            names = sorted(m.decode() for m in self._client.smembers(self._key(key, "replicas")))
-            return {
-                name: _dense(self._flat(self._client.hgetall(self._key(key, f"c:{name}"))), size)
-                for name in names
-            }
-        except self._errors as exc:
-            raise StoreError(f"{type(exc).__name__}: {exc}") from exc
-
-    @staticmethod
-    def _flat(mapping: dict[Any, Any]) -> list[Any]:
-        out: list[Any] = []
-        for k, v in mapping.items():
-            out += (k, v)
-        return out
+        members = self._pipe.command("SMEMBERS", self._key(key, "replicas"))
+        names = sorted(m.decode() for m in members)
+        return {
+            name: parse_table(self._pipe.command("GET", self._key(key, f"c:{name}")), size)
+            for name in names
+        }
 
     def clear(self) -> None:
-        """Delete every key of this namespace's tables (for tests and a fresh start)."""
-        try:
-            for table in ("decode", "prefill"):
-                names = self._client.hkeys(self._key(table, "seen"))
-                keys = [self._key(table, p) for p in ("tot", "ver", "replicas", "seen", "reaped")]
-                keys += [self._key(table, f"c:{m.decode()}") for m in names]
-                self._client.delete(*keys)
-        except self._errors as exc:
-            raise StoreError(f"{type(exc).__name__}: {exc}") from exc
+        """Delete every key of this namespace's tables (for tests and a fresh start), and
+        announce it to the mirrors."""
+        for table in _TABLES:
+            names = set(self._pipe.command("HKEYS", self._key(table, "seen")))
+            names |= set(self._pipe.command("SMEMBERS", self._key(table, "replicas")))
+            names |= set(self._pipe.command("HKEYS", self._key(table, "ver")))
+            keys = [self._key(table, p) for p in ("tot", "ver", "replicas", "seen", "seq")]
+            keys += [self._key(table, f"c:{m.decode()}") for m in names]
+            self._pipe.command("DEL", *keys)
+            self._pipe.command("PUBLISH", self._channel(table), b"0||")
 
     def close(self) -> None:
-        """Close the client's connections."""
+        """Wait for the publishes in flight (best effort) and close the connections."""
+        self._pipe.close()
+        if self._mirror is not None:
+            self._mirror.close()
         self._client.close()
