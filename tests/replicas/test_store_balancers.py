@@ -246,6 +246,8 @@ def test_outage_keeps_routing_and_recovers_without_loss(own_server):
     assert all(b.statistics().store_reconnects >= 1 for b in bals)
     for bal in bals:
         bal._check()
+    for store in stores:
+        store.close()
 
 
 def test_a_replica_that_saw_no_failure_rebuilds_a_lost_store(own_server):

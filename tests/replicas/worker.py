@@ -1,11 +1,12 @@
 """One router replica for the tests: ``python worker.py URL NAMESPACE ID SEED OPS [hold]
-[mirror]``.
+[mirror] [reap=SECONDS]``.
 
 Admits, finishes and steps requests of a decode balancer and routes, progresses and finishes
 requests of a prefill balancer, both on the shared store, with retried finishes (a second
 ``finish`` of the same id is refused by the ledger and changes nothing). Prints its own
 ledgers' per-rank loads as JSON once the store applied every publish, then (with ``hold``)
-waits to be killed. With ``mirror`` the store mirrors the totals (no view reads the store).
+waits to be killed. With ``mirror`` the store mirrors the totals (no view reads the store);
+``reap=SECONDS`` is the store's ``reap_after_s`` (default: none, this replica never reaps).
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ def main() -> None:
     url, ns, rid, seed, ops = sys.argv[1:6]
     hold = "hold" in sys.argv[6:]
     rng = np.random.default_rng(int(seed))
-    store = RedisStore(url, namespace=ns, budget_s=5.0, mirror="mirror" in sys.argv[6:])
+    reap = [float(a[5:]) for a in sys.argv[6:] if a.startswith("reap=")]
+    store = RedisStore(url, namespace=ns, budget_s=5.0, mirror="mirror" in sys.argv[6:],
+                       reap_after_s=reap[0] if reap else None)  # fmt: skip
     dec = DecodeBalancer(DECODE_RANKS, store=store, replica_id=rid)
     pre = PrefillBalancer(ENGINES, RANKS, cost=PRESETS["h800_dsv3"].prefill, store=store,
                           replica_id=rid)  # fmt: skip

@@ -31,24 +31,73 @@ a snapshot that grows stale (the herd effect). With one replica ``p = 1`` and ``
 A store is any object with the method ``sync(key, replica_id, version, fields, values,
 size)``
 (below); it raises :class:`StoreError` when it cannot answer within its budget.
+
+Duties of a leader
+------------------
+A store that also offers leases (``acquire_lease``, ``write_fenced``, ``read_fenced``, and
+``reap``, as :class:`lbkit.replicas.RedisStore` does) gives the link two duties:
+
+- **reaping**: every ``reap_after_s / 3`` seconds (the store's ``reap_after_s``; ``None``: never)
+  the link sends a heartbeat, takes or renews the lease ``reaper-KEY`` and, while it holds it,
+  takes out of the table the contribution of every replica silent for ``reap_after_s`` (a
+  crashed one; a paused one publishes whole again when it comes back);
+- **rounds** (:meth:`ReplicaLink.round_demand`, :meth:`ReplicaLink.round_plan`, called by a
+  prefill balancer's ``end_round``): each replica adds its routed quota per bucket to a table
+  of its own in the store (cumulative microseconds, published like the load), so that the
+  round's demand is the fleet's: its own quota plus the growth of the others' since its last
+  round. The holder of the lease ``round-KEY`` (renewed each round for the store's
+  ``lease_s``) plans the round and writes the engines' buckets after its moves under its
+  fencing epoch; a follower applies the latest plan it has not applied (the moves from its
+  buckets to the plan's) instead of its own. A leader that paused past its lease and was
+  replaced finds its write refused, counted in ``fenced``.
 """
 
 from __future__ import annotations
 
+import json
 import time
-from collections.abc import Callable
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
 from lbkit.core.validation import check_real
 
-__all__ = ["MIN_SHARE", "ReplicaLink", "Store", "StoreError", "replica_id_iv"]
+__all__ = [
+    "MIN_SHARE",
+    "FollowedPlan",
+    "PlanMove",
+    "ReplicaLink",
+    "Store",
+    "StoreError",
+    "replica_id_iv",
+]
 
 #: Smallest traffic share of the fallback estimate (caps the extrapolation at 20x).
 MIN_SHARE = 0.05
 #: Seconds without a store call after a failed one.
 DEFAULT_RETRY_S = 0.5
+
+
+#: Units of the cumulative demand a store holds: microseconds of quota.
+DEMAND_US = 1e6
+
+
+class PlanMove(NamedTuple):
+    """One engine changing bucket under the leader's plan (the fields of a prefill move)."""
+
+    engine: int
+    from_bucket: int
+    to_bucket: int
+
+
+class FollowedPlan(NamedTuple):
+    """The leader's plan as a follower applies it (the fields of a prefill re-plan that
+    ``end_round`` reads; the bottlenecks are the leader's to know: infinite here)."""
+
+    moves: tuple[PlanMove, ...]
+    bottleneck_before: float = float("inf")
+    bottleneck_after: float = float("inf")
 
 
 class StoreError(Exception):
@@ -142,8 +191,15 @@ class ReplicaLink:
         self.failed = False
         self.acked = -1  # version of our last publish the store applied
         self.retry_at = -np.inf
-        names = ("views", "publishes", "fallbacks", "errors", "reconnects", "rebuilds")
+        names = ("views", "publishes", "fallbacks", "errors", "reconnects", "rebuilds",
+                 "reaped", "led", "followed", "fenced")  # fmt: skip
         self.counts = dict.fromkeys(names, 0)
+        self.next_duty = -np.inf
+        self.demand: ReplicaLink | None = None  # the cumulative demand's table (rounds)
+        self.demand_cum = np.zeros((1, 0), dtype=np.int64)
+        self.foreign_demand: np.ndarray | None = None  # the others' at the last round
+        self.round_epoch = -1
+        self.plan_version = 0
 
     # ------------------------------------------------------------------ calls
     def _call(
@@ -175,14 +231,14 @@ class ReplicaLink:
                 whole=whole,
             )
         except StoreError:
-            self.counts["errors"] += 1
-            self.dirty = self.failed = True
-            self.retry_at = self.clock() + self.retry_s
+            self._failed()
             return False
         if self.failed:
             self.counts["reconnects"] += 1
             self.failed = False
         self.dirty = False
+        if self.clock() >= self.next_duty:
+            self._reap_duty()
         if version >= 0:
             self.counts["publishes"] += 1
             self.published = own.copy()
@@ -202,6 +258,98 @@ class ReplicaLink:
         self.own_at_view = mine
         tb, ob = int(totals[0].sum()), int(mine[0].sum())
         self.share = 1.0 if tb <= 0 else min(1.0, max(MIN_SHARE, ob / tb))
+        return True
+
+    # ------------------------------------------------------------------ duties
+    def _failed(self) -> None:
+        self.counts["errors"] += 1
+        self.dirty = self.failed = True
+        self.retry_at = self.clock() + self.retry_s
+
+    def _reap_duty(self) -> None:
+        """Heartbeat, take or renew the reaper's lease, and reap while holding it."""
+        store = self.store
+        after = getattr(store, "reap_after_s", None)
+        if after is None or not callable(getattr(store, "reap", None)):
+            self.next_duty = np.inf
+            return
+        self.next_duty = self.clock() + after / 3.0
+        empty = np.zeros(0, dtype=np.int64)
+        try:
+            store.sync(self.key, self.replica_id, -1, empty, empty, 0)  # the heartbeat
+            if store.acquire_lease(f"reaper-{self.key}", self.replica_id, ttl_s=after) >= 0:
+                self.counts["reaped"] += len(store.reap(self.key, max_silence_s=after))
+        except StoreError:
+            self._failed()
+
+    def round_demand(self, quota: Sequence[float]) -> list[float]:
+        """The fleet's quota routed per bucket this round: ``quota`` (this replica's, s) plus
+        the growth of the other replicas' cumulative quota since this replica's last round
+        (clipped at 0: a reaped replica's leaves). Publishes this replica's cumulative quota.
+        On a store failure: ``quota`` alone, scaled by the traffic share of the last view."""
+        q = np.asarray(quota, dtype=np.float64)
+        if self.demand is None:
+            self.demand = ReplicaLink(self.store, self.replica_id, key=f"{self.key}-demand",
+                                      num_ranks=len(q), columns=1, clock=self.clock,
+                                      retry_s=self.retry_s)  # fmt: skip
+            self.demand_cum = np.zeros((1, len(q)), dtype=np.int64)
+        self.demand_cum = self.demand_cum + np.rint(q * DEMAND_US).astype(np.int64)
+        d = self.demand
+        changed = np.flatnonzero((self.demand_cum != d.published).ravel())
+        if not d._call(self.demand_cum, changed):
+            return (q / self.share).tolist()
+        now = d.foreign[0].astype(np.float64)
+        last, self.foreign_demand = self.foreign_demand, now
+        if last is None:
+            return q.tolist()
+        return (q + np.maximum(now - last, 0.0) / DEMAND_US).tolist()
+
+    def round_plan(self, result: Any, home: np.ndarray, in_service: np.ndarray) -> Any:
+        """The re-plan a prefill round applies: its own ``result`` (a re-plan with ``moves``
+        of ``engine`` and ``to_bucket``, or ``None``) while this replica holds the round's
+        lease, written under the lease's fencing epoch as the engines' buckets after the
+        moves; else the leader's latest plan not yet applied, as :class:`FollowedPlan` (only
+        engines ``in_service`` move), or ``None``. On a store failure: ``result``."""
+        store = self.store
+        if not callable(getattr(store, "acquire_lease", None)):
+            return result
+        name = f"round-{self.key}"
+        try:
+            epoch = store.acquire_lease(name, self.replica_id, ttl_s=store.lease_s)
+            if epoch >= 0:
+                self.round_epoch = epoch
+                self.counts["led"] += 1
+                if result is not None:
+                    plan = home.copy()
+                    for mv in result.moves:
+                        plan[mv.engine] = mv.to_bucket
+                    self.write_plan({"home": plan.tolist()})
+                return result
+            got = store.read_fenced(name)
+        except StoreError:
+            self._failed()
+            return result
+        if got is None or got[1] <= self.plan_version:
+            return None
+        self.plan_version = got[1]
+        self.counts["followed"] += 1
+        plan = json.loads(got[2])["home"]
+        moves = tuple(
+            PlanMove(e, int(home[e]), int(b))
+            for e, b in enumerate(plan[: len(home)])
+            if b != home[e] and in_service[e]
+        )
+        return FollowedPlan(moves)
+
+    def write_plan(self, payload: dict[str, Any]) -> bool:
+        """Write the round's plan under this replica's last fencing epoch; whether the store
+        took it (refused: a newer leader exists, counted in ``fenced``)."""
+        version = self.store.write_fenced(f"round-{self.key}", self.round_epoch,
+                                          json.dumps(payload))  # fmt: skip
+        if version < 0:
+            self.counts["fenced"] += 1
+            return False
+        self.plan_version = version
         return True
 
     def statistics(self) -> dict[str, int]:

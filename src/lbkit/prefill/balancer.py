@@ -647,14 +647,17 @@ class PrefillBalancer:
                 f"now_s: must be after the start of the round ({self._round_start}), got {now}"
             )
         first = self._counts["rounds"] == 0
-        if self._link is not None:
+        quota = self._round_quota
+        if self._link is not None:  # the fleet's demand, summed in the store
             self._pull()
-        self._demand = smoothed_demand(self._rounds, self._demand, self._round_quota, elapsed,
-                                       first)  # fmt: skip
+            quota = self._link.round_demand(quota)
+        self._demand = smoothed_demand(self._rounds, self._demand, quota, elapsed, first)
         loads = self._ledger.total_loads().reshape(self._num_engines, self._ranks)
         result = replan(self._rounds, self._home, self._state, self._last_move, loads,
                         self._demand, now_s=now, first=first, min_engines=self._min_engines,
                         max_engines=self._max_engines)  # fmt: skip
+        if self._link is not None:  # the leader publishes its plan, a follower applies it
+            result = self._link.round_plan(result, self._home, self._state != OUT)
         if result is not None:
             for mv in result.moves:
                 self._home[mv.engine] = mv.to_bucket

@@ -80,7 +80,11 @@ _SCRIPTS = {
     "release": scripts.RELEASE,
     "write_fenced": scripts.WRITE_FENCED,
 }
-_TABLES = ("decode", "prefill")
+_TABLES = ("decode", "prefill", "prefill-demand")
+#: Default seconds of a round leader's lease (renewed at each round's end).
+DEFAULT_LEASE_S = 10.0
+#: Default seconds of silence after which a replica is reaped.
+DEFAULT_REAP_AFTER_S = 30.0
 #: Publishes in flight from which a call reads the replies that have come (fewer reads, each
 #: of many replies at once; a refused publish shows within this many calls).
 POLL_PENDING = 8
@@ -120,6 +124,11 @@ class RedisStore:
     mirror : bool, default False
         Keep the totals in a local mirror current from the store's announcements, so that a
         decision makes no round trip (the module documentation).
+    lease_s : float, default ``DEFAULT_LEASE_S``
+        Seconds a prefill round's leader holds its lease (renewed at each ``end_round``).
+    reap_after_s : float or None, default ``DEFAULT_REAP_AFTER_S``
+        Seconds of silence after which the holder of the reaper's lease reaps a replica
+        (:mod:`lbkit.core.replica`, *duties*); ``None``: no replica reaps by itself.
     client : redis.Redis, optional
         A client to use instead of one made from ``url`` (its pool, with its timeouts, makes
         the store's connections).
@@ -142,6 +151,8 @@ class RedisStore:
         namespace: str,
         budget_s: float = 0.1,
         mirror: bool = False,
+        lease_s: float = DEFAULT_LEASE_S,
+        reap_after_s: float | None = DEFAULT_REAP_AFTER_S,
         client: Any = None,
     ) -> None:
         try:
@@ -154,6 +165,12 @@ class RedisStore:
             ) from None
         self.namespace = _name_iv(namespace, "namespace")
         self.budget_s = check_real(budget_s, "budget_s", min_value=0.0, strict_min=True)
+        self.lease_s = check_real(lease_s, "lease_s", min_value=0.0, strict_min=True)
+        self.reap_after_s = (
+            None
+            if reap_after_s is None
+            else check_real(reap_after_s, "reap_after_s", min_value=0.0, strict_min=True)
+        )
         if type(mirror) is not bool:
             raise TypeError(f"mirror: must be a bool, got {type(mirror).__name__}")
         if client is None:
@@ -237,9 +254,11 @@ class RedisStore:
             sent.last = version
             if whole:
                 sent.whole = version
+        elif not size:  # a heartbeat
+            self._pipe.post("sync", keys, args)
         stored = sent.last if sent.refused is None else sent.refused
         sent.refused = None
-        if not size:
+        if mirror is None or not size:
             return None, stored
         foreign = mirror.foreign(key, replica_id, size)
         own = self._own.setdefault((key, replica_id), np.zeros(size, dtype=np.int64))

@@ -1,0 +1,114 @@
+"""The leader's duties on a real server: the automatic reaper (a SIGKILLed replica reaped by
+the holder of the reaper's lease) and the prefill round (demand summed in the store, the
+leader's plan followed, a replaced leader's late write refused by the fencing epoch)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from lbkit.core import PRESETS
+from lbkit.decode import DecodeBalancer
+from lbkit.prefill import Buckets, PrefillBalancer, Rounds
+from lbkit.replicas import RedisStore
+
+from .worker import DECODE_RANKS
+
+COST = PRESETS["h800_dsv3"].prefill
+
+
+def _worker(server, ns, rid, *flags):
+    here = Path(__file__).resolve().parent
+    env = dict(os.environ, NUMBA_DISABLE_JIT="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(here.parents[1] / "src"), env.get("PYTHONPATH", "")])
+    return subprocess.Popen(
+        [sys.executable, str(here / "worker.py"), server.url, ns, rid, "3", "40", *flags],
+        stdout=subprocess.PIPE,
+        env=env,
+    )
+
+
+def test_a_killed_replica_is_reaped_by_the_holder_of_the_reapers_lease(redis_server):
+    """The killed replica held the reaper's lease itself: once the lease and its silence run
+    out, the replica alive takes the lease and reaps it, without anyone calling reap()."""
+    proc = _worker(redis_server, "autoreap", "dead", "hold", "reap=0.4")
+    try:
+        dead = json.loads(proc.stdout.readline())
+    finally:
+        proc.kill()  # SIGKILL: no goodbye
+        proc.wait(timeout=30)
+        proc.stdout.close()
+    store = RedisStore(redis_server.url, namespace="autoreap", budget_s=2.0, reap_after_s=0.4)
+    alive = DecodeBalancer(DECODE_RANKS, store=store, replica_id="alive")
+    alive.admit("a0", 300)
+    store.flush()
+    n = 2 * DECODE_RANKS
+    mine = np.concatenate([alive.num_requests(), alive.kv_tokens()])
+    if alive._link.counts["reaped"] == 0:  # the dead replica's lease had not run out yet
+        assert store.totals("decode", n).tolist() == (mine + np.ravel(dead["decode"])).tolist()
+        time.sleep(0.6)  # past the lease and the silence
+        alive.admit("a1", 300)  # a call: the duty is due
+        store.flush()
+        mine = np.concatenate([alive.num_requests(), alive.kv_tokens()])
+    assert alive._link.counts["reaped"] == 1
+    assert store.totals("decode", n).tolist() == mine.tolist()
+    assert sorted(store.contributions("decode", n)) == ["alive"]
+    store.clear()
+
+
+def _pair(server, ns, lease_s):
+    kw = dict(
+        cost=COST, buckets=Buckets(edges=(16384,)), rounds=Rounds(min_dwell_s=0.0, max_drain_s=None)
+    )
+    stores = [RedisStore(server.url, namespace=ns, budget_s=2.0, lease_s=lease_s,
+                         reap_after_s=None) for _ in range(2)]  # fmt: skip
+    return [PrefillBalancer(4, 1, **kw, store=s, replica_id=r)
+            for s, r in zip(stores, "ab", strict=True)]  # fmt: skip
+
+
+def test_the_round_leader_plans_on_the_fleets_demand_and_followers_apply_its_plan(redis_server):
+    a, b = _pair(redis_server, "round", lease_s=5.0)
+    for i in range(6):  # b routes long prompts only, a short ones only
+        b.route(f"b{i}", 60000, now_s=0.1)
+        a.route(f"a{i}", 2000, now_s=0.1)
+    rb = b.end_round(1.0)  # b takes the lease: it leads, and its cold start moves engines
+    ra = a.end_round(1.0)  # a follows b's plan
+    assert b._link.counts["led"] == 1 and a._link.counts["followed"] == 1
+    assert rb.moves and all(mv.to_bucket == 1 for mv in rb.moves)
+    assert sorted(ra.moves) == sorted(rb.moves) and ra.engines == rb.engines
+    assert a.statistics().engine_bucket == b.statistics().engine_bucket
+    # Round 2: b's demand holds a's short prompts (published at a's round end).
+    rb2 = b.end_round(2.0)
+    assert rb.demand[0] == 0.0 and rb2.demand[0] > 0.0
+    a.end_round(2.0)
+    assert a.statistics().engine_bucket == b.statistics().engine_bucket
+    assert a._link.counts["led"] == 0
+    for bal in (a, b):
+        bal._check()
+    b._link.store.clear()
+
+
+def test_a_paused_round_leader_is_replaced_and_its_late_plan_refused(redis_server):
+    a, b = _pair(redis_server, "fence", lease_s=0.3)
+    for i in range(4):
+        a.route(f"a{i}", 60000, now_s=0.1)
+    a.end_round(1.0)  # a leads under epoch 1
+    epoch_a = a._link.round_epoch
+    time.sleep(0.5)  # a pauses past its lease
+    b.end_round(1.5)  # b takes the lease (epoch 2) and writes its plan
+    assert b._link.counts["led"] == 1 and b._link.round_epoch == epoch_a + 1
+    store = b._link.store
+    before = store.read_fenced("round-prefill")
+    assert not a._link.write_plan({"home": [0, 0, 0, 0]})  # a wakes up, writes late: refused
+    assert a._link.counts["fenced"] == 1
+    assert store.read_fenced("round-prefill") == before
+    assert before[0] == epoch_a + 1
+    a.end_round(2.0)  # a finds b's lease: it follows from now on
+    assert a._link.counts["led"] == 1
+    store.clear()
