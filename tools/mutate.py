@@ -114,15 +114,15 @@ MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "eplb/_primitives": (
         "src/lbkit/eplb/_primitives.py",
-EPLB_TESTS,
+        EPLB_TESTS,
     ),
     "eplb/greedy": (
         "src/lbkit/eplb/greedy.py",
-EPLB_TESTS,
+        EPLB_TESTS,
     ),
     "eplb/_packing": (
         "src/lbkit/eplb/_packing.py",
-EPLB_TESTS,
+        EPLB_TESTS,
     ),
 }
 
@@ -389,7 +389,9 @@ def _run_tests(workdir: Path, tests: list[str], timeout_s: float) -> tuple[str, 
 
 def run_module(name: str, workdir: Path, args: argparse.Namespace) -> dict:
     rel, tests = MODULES[name]
-    tests = [t for t in tests if (ROOT / t.partition("::")[0]).exists()] + [rel]  # + the module's doctests
+    tests = [t for t in tests if (ROOT / t.partition("::")[0]).exists()] + [
+        rel
+    ]  # + the module's doctests
     target = workdir / rel
     original = (ROOT / rel).read_text()
     mutants = enumerate_mutants(original)
@@ -410,8 +412,14 @@ def run_module(name: str, workdir: Path, args: argparse.Namespace) -> dict:
         verdict, secs = _run_tests(workdir, tests, timeout_s)
         killed = verdict != "pass"
         results.append(
-            {"id": m.index, "line": m.line, "mutation": m.description, "killed": killed,
-             "how": verdict, "seconds": round(secs, 2)}  # fmt: skip
+            {
+                "id": m.index,
+                "line": m.line,
+                "mutation": m.description,
+                "killed": killed,
+                "how": verdict,
+                "seconds": round(secs, 2),
+            }  # fmt: skip
         )
         mark = "killed" if killed else "SURVIVED"
         print(f"  {name}:{m.index} L{m.line} {m.description}: {mark} ({verdict}, {secs:.1f} s)",
