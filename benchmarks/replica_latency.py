@@ -135,9 +135,17 @@ def main() -> None:
                 "PING. Target: at most 2. The machine's 2 cores are shared with other jobs: "
                 "read the ratios, not the microseconds."
             ),
-            "columns": ["server", "mode", "round trips waited", "PING p50 µs",
-                        "alone p50 µs", "with store p50 µs", "p90 µs", "added p50 µs",
-                        "added round trips"],  # fmt: skip
+            "columns": [
+                "server",
+                "mode",
+                "round trips waited",
+                "PING p50 µs",
+                "alone p50 µs",
+                "with store p50 µs",
+                "p90 µs",
+                "added p50 µs",
+                "added round trips",
+            ],
             "rows": rows,
         }
         Path(args.json).write_text(json.dumps({"tables": [table]}, indent=1) + "\n")

@@ -419,7 +419,7 @@ def run_module(name: str, workdir: Path, args: argparse.Namespace) -> dict:
                 "killed": killed,
                 "how": verdict,
                 "seconds": round(secs, 2),
-            }  # fmt: skip
+            }
         )
         mark = "killed" if killed else "SURVIVED"
         print(f"  {name}:{m.index} L{m.line} {m.description}: {mark} ({verdict}, {secs:.1f} s)",
@@ -498,7 +498,9 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python tools/mutate.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "sample_per_module": args.sample,
         "seed": args.seed,
-        "env": "NUMBA_DISABLE_JIT=1 LBKIT_JIT=python; Hypothesis: the 'ci' profile without shrinking",
+        "env": (
+            "NUMBA_DISABLE_JIT=1 LBKIT_JIT=python; Hypothesis: the 'ci' profile without shrinking"
+        ),
         "modules": {},
     }
     with tempfile.TemporaryDirectory(prefix="lbkit-mutate-") as tmp:
@@ -510,14 +512,22 @@ def main(argv: list[str] | None = None) -> int:
             report["modules"][name] = res
             if args.json:
                 _write(args.json, report)
-            print(f"{name}: {res['killed']}/{res['mutants_run']} killed "
-                  f"({100 * (res['score'] or 0):.0f}%) of {res['mutants_total']}", flush=True)  # fmt: skip
+            score = 100 * (res["score"] or 0)
+            print(
+                f"{name}: {res['killed']}/{res['mutants_run']} killed ({score:.0f}%) of "
+                f"{res['mutants_total']}",
+                flush=True,
+            )
     total_run = sum(r["mutants_run"] for r in report["modules"].values())
     total_killed = sum(r["killed"] for r in report["modules"].values())
-    report["total"] = {"mutants_run": total_run, "killed": total_killed,
-                       "score": round(total_killed / total_run, 4) if total_run else None}  # fmt: skip
+    report["total"] = {
+        "mutants_run": total_run,
+        "killed": total_killed,
+        "score": round(total_killed / total_run, 4) if total_run else None,
+    }
     for name, r in report["modules"].items():
-        print(f"{name:20s} {r['killed']:4d}/{r['mutants_run']:<4d} {100 * (r['score'] or 0):5.1f}%")
+        score = 100 * (r["score"] or 0)
+        print(f"{name:20s} {r['killed']:4d}/{r['mutants_run']:<4d} {score:5.1f}%")
     if args.json:
         _write(args.json, report)
     return 0

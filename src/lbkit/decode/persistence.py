@@ -55,10 +55,6 @@ def _int(value: Any, name: str, **kw: Any) -> int:
         raise ValueError(str(exc)) from None
 
 
-def _ints(value: Any, name: str, n: int, **kw: Any) -> np.ndarray:
-    return check_int_list(value, name, n, **kw)
-
-
 def _caps(value: Any, name: str, n: int) -> list[float] | None:
     if value is None:
         return None
@@ -138,12 +134,14 @@ def read_state(s: Any, n: int) -> dict[str, Any]:
         Naming the first field that breaks a rule.
     """
     s = _mapping(s, "state.state")
-    rank_state = _ints(s.get("rank_state"), "state.rank_state", n, min_value=0, max_value=OUT)
-    seq = _ints(s.get("seq"), "state.seq", n, min_value=-1, max_value=2**63 - 1)
+    rank_state = check_int_list(
+        s.get("rank_state"), "state.rank_state", n, min_value=0, max_value=OUT
+    )
+    seq = check_int_list(s.get("seq"), "state.seq", n, min_value=-1, max_value=2**63 - 1)
     cursor = _int(s.get("cursor"), "state.cursor", min_value=0, max_value=n - 1)
     order = _int(s.get("order"), "state.order", min_value=0, max_value=_MAX_COUNT)
     requests = _requests(s.get("requests"), n, order)
-    refused = _ints(s.get("refused"), "state.refused", len(REASONS), min_value=0,
+    refused = check_int_list(s.get("refused"), "state.refused", len(REASONS), min_value=0,
                     max_value=_MAX_COUNT).tolist()  # fmt: skip
     if refused[0]:
         raise ValueError(f"state.refused: the first entry ({REASONS[0]!r}) must be 0")
