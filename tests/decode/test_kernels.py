@@ -13,11 +13,6 @@ from lbkit.decode.policies import POLICY_CODES
 
 from .strategies import UNIT_MAX, rank_states
 
-pytestmark = pytest.mark.skipif(
-    not hasattr(_kernels.choose, "py_func") or _kernels.choose.py_func is _kernels.choose,
-    reason="numba JIT disabled: the kernels are the Python functions",
-)
-
 
 def _matrix(state, rng_seed=0):
     b, s, new, kw = state
@@ -28,6 +23,7 @@ def _matrix(state, rng_seed=0):
     return X, new
 
 
+@pytest.mark.jit_parity(kernels=(_kernels.score_means, _kernels.choose))
 @pytest.mark.parametrize("policy", list(POLICIES))
 @given(state=rank_states(), proj=st.booleans(), capscale=st.booleans(), cursor=st.integers(0, 7))
 def test_choose_parity(policy, state, proj, capscale, cursor):
@@ -43,6 +39,7 @@ def test_choose_parity(policy, state, proj, capscale, cursor):
     assert _kernels.choose(*args) == _kernels.choose.py_func(*args)
 
 
+@pytest.mark.jit_parity(kernels=(_kernels.place,))
 @pytest.mark.parametrize("policy", list(POLICIES))
 @given(state=rank_states(), proj=st.booleans())
 def test_place_parity(policy, state, proj):
@@ -56,6 +53,7 @@ def test_place_parity(policy, state, proj):
     assert (Xa == Xb).all() and (sa == sb).all()
 
 
+@pytest.mark.jit_parity(kernels=(_kernels.assign_sequence,))
 @pytest.mark.parametrize("policy", list(POLICIES))
 @given(state=rank_states(), kv=st.lists(st.integers(0, 30000), max_size=8))
 def test_assign_sequence_parity(policy, state, kv):

@@ -127,9 +127,7 @@ def test_nothing_to_move():
     assert len(plan_migrations([0, 1], [5, 5], num_ranks=2, max_moves=0).request) == 0
 
 
-@pytest.mark.skipif(
-    not hasattr(_kernels.migrate, "py_func"), reason="numba JIT disabled: kernels are Python"
-)
+@pytest.mark.jit_parity(kernels=(_kernels.migrate,))
 @given(fleets(), st.integers(0, 5))
 def test_migrate_kernel_jit_parity(fleet, max_moves):
     rank, kv, n, _ = fleet

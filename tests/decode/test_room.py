@@ -195,9 +195,7 @@ def test_bad_input_names_the_argument(kwargs, match):
         plan_room(*pos, **args)
 
 
-@pytest.mark.skipif(
-    not hasattr(K.make_room, "py_func"), reason="numba JIT disabled: kernels are Python"
-)
+@pytest.mark.jit_parity(kernels=(K.make_room,))
 @given(fleet=tight_fleets(), max_moves=st.integers(0, 5))
 def test_make_room_kernel_jit_parity(fleet, max_moves):
     rank, kv, s, n, kw = fleet

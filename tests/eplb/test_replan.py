@@ -231,6 +231,7 @@ def test_hierarchical_previous_plan_must_keep_groups_on_nodes():
         replan_experts(w, split, 8, 4, 2, 4, policy="hierarchical")
 
 
+@pytest.mark.jit_parity(kernels=(_replan_layer.replan_subproblem,))
 def test_kernel_jit_parity():
     rng = np.random.default_rng(5)
     for _ in range(5):

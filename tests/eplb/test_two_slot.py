@@ -94,6 +94,7 @@ def test_two_slot_feasible_rejects_bad_max_load():
         two_slot_feasible([1.0, 2.0], num_gpus=1, max_load=float("nan"))
 
 
+@pytest.mark.jit_parity(kernels=(_two_slot.solve_two_slot,))
 @given(case=two_slot_cases(max_experts=40, max_gpus=24))
 @settings(max_examples=20, deadline=None)
 def test_solve_two_slot_jit_parity_and_validity(case):

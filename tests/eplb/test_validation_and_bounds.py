@@ -221,6 +221,9 @@ def test_nodes_solved_to_the_reached_load_lose_no_balance(seed):
         assert ours[layer].max() <= max(each) * (1 + 1e-12)
 
 
+@pytest.mark.jit_parity(
+    kernels=(balanced.default_plan, greedy.greedy_plan, _bound_kernels.lower_bound_layers)
+)
 @given(inst=instances(max_layers=2))
 def test_jit_parity(inst):
     weight, r, k, n, g, policy = inst

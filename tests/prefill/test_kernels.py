@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -17,6 +18,7 @@ def plain(kernel):
 demands = st.lists(st.floats(0, 1e3), min_size=1, max_size=6).map(np.array)
 
 
+@pytest.mark.jit_parity(kernels=(_kernels.divisor_apportion,))
 @given(demand=demands, extra=st.integers(0, 12), offset=st.sampled_from([0.0, 0.5, 1.0]))
 def test_divisor_apportion_parity(demand, extra, offset):
     n = demand.shape[0]
@@ -31,6 +33,7 @@ def test_divisor_apportion_parity(demand, extra, offset):
     assert int(a.sum()) == e
 
 
+@pytest.mark.jit_parity(kernels=(_kernels.partition_min_max,))
 @given(demand=demands, data=st.data())
 def test_partition_min_max_parity(demand, data):
     g = data.draw(st.integers(1, demand.shape[0]))

@@ -89,7 +89,7 @@ def test_roomy_slot_takes_a_rank_that_exactly_fills_its_engine_step():
     assert K.roomy_slot.py_func(load, 4, 2, q) == 2
 
 
-@pytest.mark.skipif(not hasattr(K.least_scored, "py_func"), reason="numba JIT disabled")
+@pytest.mark.jit_parity(kernels=(K.least_scored, K.roomy_slot, K.least_engine))
 def test_jit_parity():
     rng = np.random.default_rng(5)
     for _ in range(50):

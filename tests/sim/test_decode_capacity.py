@@ -246,6 +246,7 @@ def test_waiting_requests_at_the_horizon_are_in_flight():
     assert (m["finished"], m["refused"], m["in_flight"]) == (0, 0, 2)
 
 
+@pytest.mark.jit_parity
 def test_kernels_without_jit_give_the_same_run():
     """The decode kernels with back-pressure, preemption and the shared term as plain Python
     (NUMBA_DISABLE_JIT=1 in a subprocess) give the compiled run's results."""

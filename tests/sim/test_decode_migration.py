@@ -127,7 +127,7 @@ def _state(delay_per_token, in_step):
     return DI, DF, DK, DE, ACT, D
 
 
-@pytest.mark.skipif(not hasattr(K.decode_migrate, "py_func"), reason="numba JIT disabled")
+@pytest.mark.jit_parity(kernels=(K.decode_migrate,))
 @pytest.mark.parametrize("delay_per_token", [0.0, 0.01])
 @pytest.mark.parametrize("in_step", [False, True])
 def test_decode_migrate_kernel_jit_parity(delay_per_token, in_step):

@@ -203,6 +203,13 @@ def test_plan_kernel_matches_plan_chunks_on_chunk_boundaries(queue, data):
         assert t == want.step_time_s
 
 
+@pytest.mark.jit_parity(
+    kernels=(
+        _prefill_kernels.prefill_advance,
+        _prefill_kernels.prefill_admit,
+        _plan_kernels.prefill_alone,
+    )
+)
 def test_jit_parity_of_a_whole_replay(monkeypatch):
     t = _trace(60)
     jit = simulate_prefill(t, "least_tokens", num_engines=2, ranks_per_engine=2,

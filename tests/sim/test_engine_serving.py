@@ -330,7 +330,7 @@ def test_default_pool_and_view_without_hashes():
     assert seen["cap"] == PREFILL_KV_CAPACITY_TOKENS == 35_000_000_000 // (61 * 576 * 2)
 
 
-@pytest.mark.skipif(os.environ.get("NUMBA_DISABLE_JIT") == "1", reason="already without JIT")
+@pytest.mark.jit_parity
 def test_this_module_without_jit():
     # Every kernel as plain Python (the new counters and the shared term included), and the
     # step kernel against its model.

@@ -249,6 +249,13 @@ def test_lbkit_ledger_follows_the_moves(horizon):
         assert i in bal.requests_on(f // 4, f % 4)
 
 
+@pytest.mark.jit_parity(
+    kernels=(
+        _prefill_kernels.prefill_advance,
+        _prefill_kernels.prefill_admit,
+        _plan_kernels.prefill_alone,
+    )
+)
 @pytest.mark.parametrize("mode", ["level", "split"])
 def test_jit_parity_with_sharing(monkeypatch, mode):
     t = synthetic_trace(80, rate_per_s=40.0, rng=3)
