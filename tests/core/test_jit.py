@@ -96,7 +96,7 @@ def _square(v):
 
 
 def test_entry_runs_as_python_until_compiled(monkeypatch):
-    if _jit._jit_disabled():
+    if _jit.jit_disabled():
         return
     x = np.arange(5.0)
     twin = _total_of_squares.interpreted
@@ -200,3 +200,33 @@ def test_a_save_waits_for_the_write_lock(monkeypatch, tmp_path):
         assert not list(Path(_jit.cache_dir()).rglob("*.nbi"))
     assert proc.communicate(timeout=600)[0].strip() == b"1"
     assert list(Path(_jit.cache_dir()).rglob("*_argmax*.nbi"))
+
+
+def test_starting_the_background_compiler_warns_nothing_under_w_error(tmp_path):
+    """A router running with ``-W error`` must not see a ResourceWarning for the compiler it
+    started (a dropped ``subprocess.Popen`` whose child still runs warns)."""
+    code = """
+        import os, signal, gc
+        import numpy as np
+        import lbkit.eplb as E
+        from lbkit.core import _jit
+        E.rebalance_experts(np.arange(1.0, 9.0).reshape(1, 8), 8, 1, 1, 2)
+        gc.collect()
+        pids = list(_jit._BACKGROUND_PIDS)
+        for pid in pids:  # the test needs no compiled kernels: stop the compiler
+            os.killpg(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        print(len(pids))
+    """
+    full = dict(os.environ, PYTHONPATH=SRC, LBKIT_CACHE_DIR=str(tmp_path), LBKIT_JIT="background")
+    full.pop("NUMBA_DISABLE_JIT", None)
+    out = subprocess.run(
+        [sys.executable, "-W", "error", "-c", textwrap.dedent(code)],
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "1"
+    assert out.stderr == ""

@@ -63,7 +63,7 @@ def test_entry_kernels_as_python_give_the_recorded_plans(recorded, monkeypatch):
     """The first call of a process runs the entry kernels as Python (lbkit.core._jit)."""
     from lbkit.core import _jit
 
-    if _jit._jit_disabled():
+    if _jit.jit_disabled():
         pytest.skip("NUMBA_DISABLE_JIT=1: everything runs as Python already")
     monkeypatch.setenv("LBKIT_JIT", "python")
     monkeypatch.setattr(_jit.Entry, "is_compiled", lambda self, *args: False)
@@ -84,7 +84,7 @@ def test_python_twins_reach_no_compiled_kernel():
     from lbkit.core import _jit
     from lbkit.eplb import _bound_kernels, _replan_layer, balanced, greedy
 
-    if _jit._jit_disabled():
+    if _jit.jit_disabled():
         pytest.skip("NUMBA_DISABLE_JIT=1")
     seen: set[int] = set()
     todo = [

@@ -79,6 +79,7 @@ __all__ = [
     "entry",
     "file_lock",
     "jit",
+    "jit_disabled",
     "jit_mode",
     "record_kernels",
 ]
@@ -94,7 +95,8 @@ _KEEP_VERSIONS = 4
 _PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 
 
-def _jit_disabled() -> bool:
+def jit_disabled() -> bool:
+    """Whether kernels run as Python throughout (``NUMBA_DISABLE_JIT=1``, or no numba)."""
     return _numba is None or bool(_numba.config.DISABLE_JIT)
 
 
@@ -441,16 +443,43 @@ def _start_background_compile(package: str) -> None:
         return
     env = dict(os.environ, LBKIT_JIT="inline", LBKIT_CACHE_DIR=str(Path(root).parent))
     env.pop("LBKIT_JIT_CACHE", None)
+    _reap_background()
+    argv = [sys.executable, "-c", _BACKGROUND_MAIN, "--background", package]
     with contextlib.suppress(OSError):
-        subprocess.Popen(
-            [sys.executable, "-c", _BACKGROUND_MAIN, "--background", package],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            env=env,
-            start_new_session=True,
-            close_fds=True,
-        )
+        if hasattr(os, "posix_spawn"):
+            # Not subprocess.Popen: a Popen object dropped while its child runs warns
+            # (ResourceWarning, an error under ``-W error``); a spawned pid is reaped later.
+            actions = [(os.POSIX_SPAWN_OPEN, fd, os.devnull, os.O_RDWR, 0) for fd in (0, 1, 2)]
+            _BACKGROUND_PIDS.append(
+                os.posix_spawn(sys.executable, argv, env, file_actions=actions, setsid=True)
+            )
+        else:  # pragma: no cover - no fcntl there either, so no disk cache and no compiler
+            _BACKGROUND_PROCS.append(
+                subprocess.Popen(
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    env=env,
+                    start_new_session=True,
+                    close_fds=True,
+                )
+            )
+
+
+#: Background compilers started by this process, reaped (waited for) once they exit.
+_BACKGROUND_PIDS: list[int] = []
+_BACKGROUND_PROCS: list[subprocess.Popen] = []
+
+
+def _reap_background() -> None:
+    """Collect the exit status of background compilers that have finished (no zombies)."""
+    for pid in list(_BACKGROUND_PIDS):
+        with contextlib.suppress(ChildProcessError):
+            done, _ = os.waitpid(pid, os.WNOHANG)
+            if not done:
+                continue
+        _BACKGROUND_PIDS.remove(pid)
 
 
 class Entry:
@@ -474,7 +503,7 @@ class Entry:
     @property
     def interpreted(self) -> Callable[..., Any]:
         """The function as plain Python: it and every kernel it calls run uncompiled."""
-        if _jit_disabled():
+        if jit_disabled():
             return self.py_func
         return _twin(self)
 
@@ -485,7 +514,7 @@ class Entry:
     def is_compiled(self, *args: Any) -> bool:
         """Whether a compiled copy for the types of ``args`` is loaded (or loads now from the
         disk cache). Never compiles."""
-        if _jit_disabled():
+        if jit_disabled():
             return False
         sig = self.signature(*args)
         if sig in self.dispatcher.overloads:
@@ -508,7 +537,7 @@ class Entry:
         return True
 
     def __call__(self, *args: Any) -> Any:
-        if _jit_disabled():
+        if jit_disabled():
             return self.py_func(*args)
         key = _quick_key(args)
         if key in self._ready:
@@ -520,6 +549,7 @@ class Entry:
         mode = jit_mode()
         if mode == "inline":
             return self.dispatcher(*args)
+        _reap_background()
         result = self.interpreted(*args)
         if mode == "background":  # after the call, so that the compiler does not slow it down
             _start_background_compile(self.__module__.split(".")[1])
