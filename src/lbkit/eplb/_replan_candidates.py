@@ -13,7 +13,15 @@ from lbkit.eplb._replan_layer import ReplanArgs, place_slots, replan_layer
 from lbkit.eplb.balanced import balanced_rebalance
 from lbkit.eplb.bounds import lower_bound, moe_lb
 
-__all__ = ["Candidate", "Context", "context", "mean_candidates", "replan_all", "row_lb"]
+__all__ = [
+    "Candidate",
+    "Context",
+    "context",
+    "matched_fresh",
+    "mean_candidates",
+    "replan_all",
+    "row_lb",
+]
 
 
 def _node_bounds(w: np.ndarray, partitions: np.ndarray | None, args: ReplanArgs) -> np.ndarray:
@@ -179,7 +187,7 @@ def _gpu_counts(row: np.ndarray, num_gpus: int, experts: int) -> np.ndarray:
     return out
 
 
-def _matched_fresh(prev: np.ndarray, fresh: np.ndarray, args: ReplanArgs) -> tuple[np.ndarray, int]:
+def matched_fresh(prev: np.ndarray, fresh: np.ndarray, args: ReplanArgs) -> tuple[np.ndarray, int]:
     """The fresh plan's row with its GPUs (and, hierarchical, nodes) relabelled to keep the most
     replicas of the old row in place (an assignment problem); ``(row, moves)``."""
     from scipy.optimize import linear_sum_assignment  # here: importing lbkit.eplb stays light
@@ -233,7 +241,7 @@ def mean_candidates(
         w = p.weight[layer]
         opts: list[Candidate] = [(0, float(ctx.old_lb[layer]), prev[layer], False)]
         if ctx.old_lb[layer] > ctx.fresh_lb[layer] * (1.0 + min(levels)):
-            row, used = _matched_fresh(prev[layer], ctx.fresh[layer], args)
+            row, used = matched_fresh(prev[layer], ctx.fresh[layer], args)
             if used <= budget:
                 f_lb = row_lb(w, row, p.num_gpus)
                 parts = ctx.old_parts

@@ -67,6 +67,12 @@ target if any choice within the budget does, else the lowest mean ``moe_lb``. Th
 not depend on the total, so a larger total never gives a mean ``moe_lb`` above both a smaller
 one's and the target, nor above both the default re-plan's (when its moves fit) and the target.
 :func:`replan_tradeoff` returns the curve of (moves, moe_lb) over a few budgets.
+
+**The first re-plans of a process** (``LBKIT_JIT`` other than ``"inline"``, re-planning kernels
+neither loaded nor in the disk cache): the searches would run as Python for minutes, so each
+layer chooses only between its old row and the fresh plan matched to it, under the same rules
+(``_replan_first``): seconds, valid and as balanced as a fresh plan, with more moves. The
+background compiler starts on that call; once its kernels are on disk, re-plans search in full.
 """
 
 from __future__ import annotations
@@ -81,6 +87,7 @@ from lbkit.eplb._plan import EplbPlan, _finish_plan, _rebalance_iv
 from lbkit.eplb._regroup import old_partition
 from lbkit.eplb._replan_candidates import replan_all
 from lbkit.eplb._replan_choice import DEFAULT_TOLERANCE, replan_mean, replan_total
+from lbkit.eplb._replan_first import replan_kernels_ready, replan_matched
 from lbkit.eplb._replan_layer import ReplanArgs
 from lbkit.eplb.bounds import moe_lb
 
@@ -335,6 +342,13 @@ def replan_experts(
         wrong shape, naming unknown experts, missing an expert or (hierarchical) splitting a
         group across nodes; negative budgets or tolerances; an unknown ``tolerance_scope``.
 
+    Notes
+    -----
+    Until the re-planning kernels are compiled (``LBKIT_JIT`` other than ``"inline"``), each
+    layer chooses between its old row and the fresh plan matched to it, under the same rules:
+    seconds instead of minutes, as balanced as a fresh plan, more moves (module docstring).
+    ``lbkit.warmup()`` compiles them beforehand.
+
     Runtime complexity: per sub-problem (``G`` GPUs of ``S`` slots, ``E`` experts) and per-layer
     tolerance, O(C × G² × S²) for ``C`` exchange cycles, plus O(U × (G × S × E + H × G × S² ×
     8)) for ``U <= G × S + 8`` steps of each search (excess descent, local search, give-back;
@@ -374,7 +388,9 @@ def replan_experts(
         tolerance_scope,
     )
     p = args.problem
-    if args.total is not None:
+    if not replan_kernels_ready():  # the first calls of a process: see _replan_first
+        phy2log, moves, regrouped = replan_matched(args)
+    elif args.total is not None:
         phy2log, moves, regrouped = replan_total(args)
     elif args.scope == "mean":
         phy2log, moves, regrouped = replan_mean(args, args.budget)
