@@ -15,9 +15,12 @@ its ``num_gpus / num_nodes`` GPUs as above. Replica ranks in ``log2phy`` are cre
 
 **dtype**: like the published code, the method casts the loads to ``float32`` and divides and
 sums in ``float32`` (every operation correctly rounded), so loads above 2**24 lose precision
-exactly as they do there, and the plans are identical. The only differences left are ties: the
-published code's ``torch`` sorts and ``argmax`` do not promise an order among equal values, where
-this method takes the lower index; and a group's load, which ``torch`` may sum in another order.
+exactly as they do there, and the plans are identical. A layer whose largest load is above 2**64
+(where float32 sums would overflow to infinity) is first scaled by a power of two, which changes
+no rounding: its plan is that of the same loads in a smaller unit. The only differences left are
+ties: the published code's ``torch`` sorts and ``argmax`` do not promise an order among equal
+values, where this method takes the lower index; and a group's load, which ``torch`` may sum in
+another order.
 Replicas of one expert are equal, so ``log2phy`` may list an expert's slots in another order.
 """
 
@@ -67,7 +70,7 @@ def greedy_rebalance(
     phyrank = np.empty_like(phy2log)
     logcnt = np.empty((layers, experts), dtype=np.int64)
     greedy_plan(
-        problem.weight.astype(np.float32),
+        _as_float32(problem.weight),
         problem.num_replicas,
         problem.num_groups,
         problem.num_nodes,
@@ -77,6 +80,27 @@ def greedy_rebalance(
         logcnt,
     )
     return _finish_plan(problem, phy2log, logcnt, phyrank)
+
+
+#: Loads are scaled into float32 by a power of two when a layer's largest load is above this:
+#: any sum of up to 2**60 such loads stays below float32's largest finite value (about 2**128).
+_FLOAT32_SCALE_ABOVE = 2.0**64
+
+
+def _as_float32(w: np.ndarray) -> np.ndarray:
+    """``w`` as float32, each layer whose largest load is above 2**64 first multiplied by a power
+    of two that brings it to 2**64. A power of two changes no rounding of a float32 operation
+    (unless a result leaves the normal range), so such a layer gets the plan of the same loads
+    in a smaller unit, instead of infinite loads; layers within the range are cast unchanged,
+    bit for bit as the published code casts them."""
+    top = w.max(axis=1) if w.size else np.zeros(w.shape[0])
+    big = top > _FLOAT32_SCALE_ABOVE
+    if not big.any():
+        return w.astype(np.float32)
+    _, exp = np.frexp(top[big])  # top = m * 2**exp with 0.5 <= m < 1
+    scaled = w.copy()
+    scaled[big] = np.ldexp(w[big], (65 - exp)[:, None])  # largest load now in [2**64, 2**65)
+    return scaled.astype(np.float32)
 
 
 # --------------------------------------------------------------------------------------------
