@@ -16,8 +16,9 @@ that has never run lbkit:
    cache and again with the cache it filled.
 5. ``replan_first``: per shape, the first ``replan_experts`` of a fresh process with an empty
    cache (its entry kernels run as plain Python; the old plan and the loads drifted by
-   lognormal 0.1 are made first), with the warm figure (median of 3 after compiling) beside
-   it, and whether the first re-plan equals the compiled one.
+   lognormal 0.1 are made first; until its kernels are compiled a re-plan chooses between the
+   old and the matched fresh row of each layer), its moves and balance, with the full re-plan
+   after compiling beside it (median of 3).
 6. With ``--inline``: the first call compiling in the process, as before the entry kernels
    (minutes).
 
@@ -83,6 +84,9 @@ old = E.rebalance_experts(w, *args, policy="{policy}").phy2log
 t = time.perf_counter()
 first = E.replan_experts(w1, old, *args, policy="{policy}")
 out = dict(first_s=time.perf_counter() - t)
+fresh = E.moe_lb(w1, E.rebalance_experts(w1, *args, policy="{policy}").phy2log, num_gpus={gpus})
+out["first_moves"] = float(first.num_moves.sum() / old.size)
+out["first_vs_fresh"] = float(first.moe_lb.mean() / fresh.mean())
 if {warm}:
     import lbkit
     report = lbkit.warmup(packages=("eplb",))
@@ -94,6 +98,8 @@ if {warm}:
         times.append(time.perf_counter() - t)
     out["warm_s"] = statistics.median(times)
     out["identical"] = bool((r.plan.phy2log == first.plan.phy2log).all())
+    out["warm_moves"] = float(r.num_moves.sum() / old.size)
+    out["warm_vs_fresh"] = float(r.moe_lb.mean() / fresh.mean())
 print(json.dumps(out))
 """
 
@@ -177,6 +183,9 @@ def main() -> None:
     result["replan_first"] = replan_rows(shapes[:4], not args.quick, start)
     if args.replan_only:
         result["load_avg_after"] = load_avg()
+        result["tables"] = [
+            replan_table(result, f"load average {result['load_avg_before'][0]:g} at the start")
+        ]
         print(json.dumps(result, indent=1))
         if args.json:
             with open(args.json, "w") as f:
@@ -238,6 +247,56 @@ def replan_rows(shapes, warm: bool, start: float) -> list[dict]:
     return rows
 
 
+def replan_table(result: dict, load: str) -> dict:
+    """The table of the first re-plans (``result["replan_first"]``)."""
+    return {
+        "title": "EPLB cold start: the first re-plan of a fresh process",
+        "note": (
+            "58 x 256 DeepSeek-V3-shaped loads (lognormal, seed 0), the old plan a fresh "
+            "plan of them, re-planned for the loads drifted by lognormal 0.1 (seed 1) "
+            "with the defaults (mean scope, 1%); each row a fresh process with an empty "
+            "kernel cache (`LBKIT_JIT=python`: until the re-planning kernels are "
+            "compiled, each layer chooses between its old row and the fresh plan "
+            "matched to it). Moves = share of all replicas; vs fresh = mean moe_lb over "
+            "a fresh plan's. Compile = `lbkit.warmup(packages=('eplb',))` afterwards; "
+            f"warm = median of 3 full re-plans after it ({load})."
+        ),
+        "columns": [
+            "shape",
+            "first re-plan (s)",
+            "moves %",
+            "vs fresh",
+            "compile (s)",
+            "warm re-plan (s)",
+            "warm moves %",
+            "warm vs fresh",
+            "load (1 min)",
+        ],
+        "rows": [
+            [
+                r["shape"],
+                round(r["first_s"], 1),
+                _pct(r.get("first_moves")),
+                _ratio(r.get("first_vs_fresh")),
+                round(r["compile_s"], 1) if "compile_s" in r else None,
+                round(r["warm_s"], 2) if "warm_s" in r else None,
+                _pct(r.get("warm_moves")),
+                _ratio(r.get("warm_vs_fresh")),
+                (r.get("load_avg") or [None])[0],
+            ]
+            for r in result["replan_first"]
+        ],
+    }
+
+
+def _pct(v: float | None) -> float | None:
+    return None if v is None else round(100.0 * v, 1)
+
+
+def _ratio(v: float | None) -> float | None:
+    return None if v is None else round(v, 4)
+
+
 def tables(result: dict) -> list[dict]:
     """The figures of a run as ``{"title", "note", "columns", "rows"}`` tables."""
     load = (
@@ -280,39 +339,7 @@ def tables(result: dict) -> list[dict]:
         }
     ]
     if result.get("replan_first"):
-        out.append(
-            {
-                "title": "EPLB cold start: the first re-plan of a fresh process",
-                "note": (
-                    "58 x 256 DeepSeek-V3-shaped loads (lognormal, seed 0), the old plan a fresh "
-                    "plan of them, re-planned for the loads drifted by lognormal 0.1 (seed 1) "
-                    "with the defaults (mean scope, 1%); each row a fresh process with an empty "
-                    "kernel cache (`LBKIT_JIT=python`: the entry kernels run as Python until "
-                    "compiled). Compile = `lbkit.warmup(packages=('eplb',))` afterwards; warm = "
-                    "median of 3 re-plans after it; identical = the first re-plan equals the "
-                    f"compiled one ({load})."
-                ),
-                "columns": [
-                    "shape",
-                    "first re-plan (s)",
-                    "compile (s)",
-                    "warm re-plan (s)",
-                    "identical",
-                    "load (1 min)",
-                ],
-                "rows": [
-                    [
-                        r["shape"],
-                        round(r["first_s"], 1),
-                        round(r["compile_s"], 1) if "compile_s" in r else None,
-                        round(r["warm_s"], 2) if "warm_s" in r else None,
-                        r.get("identical"),
-                        (r.get("load_avg") or [None])[0],
-                    ]
-                    for r in result["replan_first"]
-                ],
-            }
-        )
+        out.append(replan_table(result, load))
     bg, cached = result["background"], result["cached"]
     calls = sorted(bg["calls_s"][:-1]) or [float("nan")]
     life = [
