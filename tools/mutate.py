@@ -79,6 +79,7 @@ MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
             "tests/decode/test_kernels.py",
             "tests/decode/test_batch.py",
             "tests/decode/test_mutation_kernels.py",
+            "tests/decode/test_mutation_policies.py",
         ),
     ),
     "prefill/apportion": (
@@ -125,6 +126,39 @@ MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
         "src/lbkit/eplb/_packing.py",
         EPLB_TESTS,
     ),
+}
+
+#: Surviving mutants judged equivalent (no test can tell them from the original), by
+#: ``(module, mutant id)`` with the reason. Ids are positions in the module's site order, so an
+#: edit of a module renumbers its mutants: check this list against ``--show`` after one.
+EQUIVALENT: dict[tuple[str, int], str] = {
+    ("decode/_kernels", 5): "warmup() only compiles: its inputs are never checked",
+    ("decode/_kernels", 10): "warmup() only compiles: its inputs are never checked",
+    ("decode/_kernels", 291): "warmup() only compiles: its inputs are never checked",
+    ("decode/_kernels", 303): "warmup() only compiles: its inputs are never checked",
+    ("decode/_kernels", 419): "warmup() only compiles: its inputs are never checked",
+    ("decode/_kernels", 157): "choose(): a secondary score that is the same constant for every "
+    "rank breaks no tie",
+    ("decode/_kernels", 227): "migrate(): bb starts at 1 instead of -1, but is read only after "
+    "a move was found, which sets it",
+    ("decode/_kernels", 229): "migrate(): src starts at 1 instead of -1, but is read only after "
+    "a move was found, which sets it",
+    ("decode/_kernels", 426): "choose(): 0 < capb -> 0 <= capb; a rank of capacity 0 was "
+    "skipped as full before",
+    ("prefill/apportion", 92): "np.zeros(d.shape[0]) -> d.shape[-1] on a 1-D array",
+    ("prefill/chunking", 23): "_work() with c = 0 is never called (every chunk has c >= 1)",
+    ("prefill/chunking", 39): "_work() with c = 0 is never called (every chunk has c >= 1)",
+    ("prefill/chunking", 28): "the solver's guess is corrected exactly both ways afterwards "
+    "(only slower)",
+    ("prefill/chunking", 57): "the solver's guess is corrected exactly both ways afterwards "
+    "(only slower)",
+    ("prefill/chunking", 58): "solve_chunk(0, p) is 0 anyway",
+    ("prefill/chunking", 59): "the guess at no slack is corrected by the downward loop",
+    ("prefill/chunking", 60): "a guess of -1 at no slack ends the plan as 0 does",
+    ("core/cost", 56): "solve_chunk(min_chunk=1): a chunk below 1 is already 0",
+    ("core/cost", 208): "n.shape[0] -> n.shape[-1] on a 1-D array",
+    ("eplb/bounds", 15): "the fallback mean of a layer without load is never used (ratio 1.0 "
+    "there)",
 }
 
 _COMPARE = {
@@ -440,6 +474,10 @@ def run_module(name: str, workdir: Path, args: argparse.Namespace) -> dict:
               flush=True)  # fmt: skip
     target.write_text(original)
     killed = sum(r["killed"] for r in results)
+    for r in results:
+        if not r["killed"] and (name, r["id"]) in EQUIVALENT:
+            r["equivalent"] = EQUIVALENT[name, r["id"]]
+    equivalent = sum("equivalent" in r for r in results)
     return {
         "source": rel,
         "tests": tests,
@@ -447,6 +485,10 @@ def run_module(name: str, workdir: Path, args: argparse.Namespace) -> dict:
         "mutants_run": len(results),
         "killed": killed,
         "score": round(killed / len(results), 4) if results else None,
+        "equivalent": equivalent,
+        "score_without_equivalent": (
+            round(killed / (len(results) - equivalent), 4) if len(results) > equivalent else None
+        ),
         "baseline_cpu_seconds": round(base_s, 2),
         "survivors": [r for r in results if not r["killed"]],
         "results": results,
@@ -545,8 +587,48 @@ def main(argv: list[str] | None = None) -> int:
         score = 100 * (r["score"] or 0)
         print(f"{name:20s} {r['killed']:4d}/{r['mutants_run']:<4d} {score:5.1f}%")
     if args.json:
+        report["tables"] = [score_table(report)]
         _write(args.json, report)
     return 0
+
+
+def score_table(report: dict, before: dict | None = None) -> dict:
+    """The scores of a run as a ``{"title", "note", "columns", "rows"}`` table."""
+    rows = []
+    for name, r in report["modules"].items():
+        rows.append(
+            [
+                name,
+                r["mutants_total"],
+                r["mutants_run"],
+                r["killed"],
+                r.get("equivalent", 0),
+                None if r["score"] is None else round(100 * r["score"], 1),
+                None
+                if r.get("score_without_equivalent") is None
+                else round(100 * r["score_without_equivalent"], 1),
+            ]
+        )
+    return {
+        "title": "Mutation scores",
+        "note": (
+            f"`{report['command']}`: {report['sample_per_module']} mutants sampled per module "
+            f"(seed {report['seed']}), each run against the tests that cover its module with "
+            "NUMBA_DISABLE_JIT=1 (the JIT-parity tests deselected); killed = a test failed, or "
+            "the tests ran out of their CPU-time limit; equivalent = survivors no test can "
+            "tell from the original, listed with the reason in tools/mutate.py (EQUIVALENT)."
+        ),
+        "columns": [
+            "module",
+            "mutants",
+            "sampled",
+            "killed",
+            "equivalent",
+            "score %",
+            "score without equivalent %",
+        ],
+        "rows": rows,
+    }
 
 
 def _write(path: Path, report: dict) -> None:
