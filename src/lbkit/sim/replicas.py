@@ -85,6 +85,7 @@ __all__ = [
     "DEFAULT_DELAY_S",
     "DEFAULT_PERIOD_S",
     "MAX_REPLICAS",
+    "REPLICAS_ROW",
     "SYNC_MODES",
     "DecodeReplicas",
     "PrefillReplicas",
@@ -101,6 +102,8 @@ DEFAULT_DELAY_S = 0.0005
 DEFAULT_PERIOD_S = 1.0
 #: Most replicas of one pool.
 MAX_REPLICAS = 1024
+#: Name of the row that ``lbkit bench --replicas K`` adds to the goodput and decode tables.
+REPLICAS_ROW = "lbkit_replicas"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
