@@ -61,6 +61,7 @@ TABLE_SCRIPTS = (
     ),
     ("Decode migration", "decode_migration.py", (), "decode_migration.json"),
     ("Trace replay (simulator)", "sim_targets.py", (), "sim_targets.json"),
+    ("Router replicas", "replica_sync.py", (), "replica_sync.json"),
 )
 
 #: The goodput section, first after the method: (title, script, arguments, results file).

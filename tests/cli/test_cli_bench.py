@@ -130,6 +130,22 @@ def test_decode_only_with_migration(tmp_path, capsys):
     assert moved["finished"] == plain["finished"] == moved["arrived"] - moved["refused"]
 
 
+def test_router_replicas_add_rows(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    args = ["bench", *FAST, "--policies", "lbkit", "--replicas", "3", "--sync", "reports",
+            "--sync-period", "0.5", "--json", str(out)]  # fmt: skip
+    assert main(args) == 0
+    assert "lbkit_replicas" in capsys.readouterr().out
+    full = json.loads(out.read_text())
+    assert full["options"]["replicas"] == {"k": 3, "mode": "reports", "delay_s": 0.0005,
+                                           "period_s": 0.5}  # fmt: skip
+    assert list(full["decode"]) == ["lbkit", "lbkit_replicas"]
+    # stale views under a KV capacity: the replicas admit only (migration is not modelled)
+    assert full["decode_run"]["options"]["replicas"]["migration"] is False
+    row = full["decode"]["lbkit_replicas"]
+    assert row["migrations"] == 0 and row["finished"] + row["refused"] == row["arrived"]
+
+
 def test_work_sharing_option(tmp_path):
     out = tmp_path / "r.json"
     args = ["bench", *FAST, "--policies", "round_robin,lbkit", "--work-sharing", "level"]

@@ -245,6 +245,37 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--no-eplb", action="store_true", help="skip the EPLB comparison")
     p.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        metavar="K",
+        help="also run lbkit as K router replicas in front of each pool (rows lbkit_replicas "
+        "of the goodput and decode-only tables; request i goes to replica i mod K), 1 to 1024 "
+        "(default 1: one router, no extra rows)",
+    )
+    p.add_argument(
+        "--sync",
+        choices=("shared", "reports", "none"),
+        default="shared",
+        help="how the replicas see each other's load: shared (one store read --sync-delay "
+        "late; the default), reports (engine totals every --sync-period) or none (own "
+        "admissions only); needs --replicas K > 1",
+    )
+    p.add_argument(
+        "--sync-delay",
+        type=float,
+        default=0.0005,
+        metavar="S",
+        help="--sync shared: round trip of the store, seconds, 0 to 3600 (default 0.0005)",
+    )
+    p.add_argument(
+        "--sync-period",
+        type=float,
+        default=1.0,
+        metavar="S",
+        help="--sync reports: interval of the engine reports, seconds, (0, 86400] (default 1)",
+    )
+    p.add_argument(
         "--json",
         type=Path,
         metavar="PATH",
@@ -343,6 +374,7 @@ def run(args: argparse.Namespace) -> int:
                 options=options,
                 rank_cache=rank_cache,
                 progress=progress,
+                replicas=resolved["replicas"],
             )
         res = run_bench(
             prepared,
@@ -374,12 +406,17 @@ def run(args: argparse.Namespace) -> int:
             migrate_every_s=args.migrate_every,
             max_migrations=args.max_migrations,
             migration_s_per_kv_token=args.kv_bytes_per_token / (args.migration_gbps * 1e9),
+            replicas=resolved["replicas"],
         )
     finally:
         progress.close()
     report = res.report
     report["options"]["cache"] = cache
     report["options"]["slo"] = slo.as_dict()
+    sync = resolved["replicas"]
+    report["options"]["replicas"] = None if sync is None else {
+        "k": sync.k, "mode": sync.mode, "delay_s": sync.delay_s, "period_s": sync.period_s,
+    }  # fmt: skip
     if goodput is not None:
         report["goodput"] = goodput["goodput"]
         report["ideal"] = goodput["ideal"]

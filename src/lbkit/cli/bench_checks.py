@@ -123,12 +123,31 @@ def check_options(args: argparse.Namespace) -> dict[str, Any]:
             refuse_ignored(
                 given, dest, "ignored: no decode policy of --policies migrates (lbkit does)"
             )
+    replicas = _replicas(args, given)
     if args.plot is not None:
         _check_plot(args.plot)
     check_outputs({"--json": args.json, "--plot": args.plot}, {"--trace": args.trace})
     if args.trace is not None:
         check_input_file(args.trace, "--trace")
-    return {"prefill_policies": pp, "decode_policies": dp}
+    return {"prefill_policies": pp, "decode_policies": dp, "replicas": replicas}
+
+
+def _replicas(args: argparse.Namespace, given: Any) -> Any:
+    """The ``ReplicaSync`` of ``--replicas K`` and its sync options (``None`` for one router)."""
+    from lbkit.sim.replicas import MAX_REPLICAS, ReplicaSync
+
+    k = check_count(args, "replicas", 1, MAX_REPLICAS, "the most replicas lbkit bench models")
+    check_real_option(args, "sync_delay", 0.0, 3600.0, unit=" seconds")
+    check_real_option(args, "sync_period", 0.0, 86400.0, low_open=True, unit=" seconds")
+    if k == 1:
+        for dest in ("sync", "sync_delay", "sync_period"):
+            refuse_ignored(given, dest, "needs --replicas K with K > 1")
+        return None
+    if args.sync != "shared":
+        refuse_ignored(given, "sync_delay", "needs --sync shared")
+    if args.sync != "reports":
+        refuse_ignored(given, "sync_period", "needs --sync reports")
+    return ReplicaSync(k=k, mode=args.sync, delay_s=args.sync_delay, period_s=args.sync_period)
 
 
 def _check_plot(path: Path) -> None:

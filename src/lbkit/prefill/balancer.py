@@ -290,6 +290,21 @@ class PrefillBalancer:
         :meth:`set_foreign_load`)."""
         return ForeignLoad(*self._ledger.foreign())
 
+    def own_load(self) -> ForeignLoad:
+        """This ledger's own load per flat rank (copies; without the foreign load), in the
+        shape that :meth:`set_foreign_load` takes: what this router contributes to another
+        router's foreign load.
+
+        Examples
+        --------
+        >>> from lbkit.core import PRESETS
+        >>> bal = PrefillBalancer(1, 2, cost=PRESETS["unit"].prefill)
+        >>> _ = bal.route("a", 100, now_s=0.0)
+        >>> bal.own_load().num_requests.tolist()
+        [1, 0]
+        """
+        return ForeignLoad(*self._ledger.own_flat())
+
     def set_foreign_load(self, *, quota_s: Any, work_s: Any, num_requests: Any) -> None:
         """Set the load that other routers queued on the ranks (replacing the previous one).
 

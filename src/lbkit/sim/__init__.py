@@ -13,7 +13,9 @@
   :mod:`lbkit.sim.policies_decode`: routing
   policies; :mod:`lbkit.sim.metrics`: SPEC section 5 metrics; :mod:`lbkit.sim.bench`: the
   scenario runner of ``lbkit bench``; :mod:`lbkit.sim.streams`: seeded decode-only streams
-  replayed through a :class:`~lbkit.decode.DecodeBalancer` (policy comparisons in engine steps).
+  replayed through a :class:`~lbkit.decode.DecodeBalancer` (policy comparisons in engine steps);
+  :mod:`lbkit.sim.replicas`: ``K`` router replicas of lbkit's policies and how they sync
+  (:class:`~lbkit.sim.replicas.ReplicaSync`).
 """
 
 from lbkit.sim.bench import BenchResult, run_bench
@@ -29,6 +31,7 @@ from lbkit.sim.metrics import decode_metrics, prefill_metrics
 from lbkit.sim.policies import PREFILL_POLICIES
 from lbkit.sim.policies_decode import DECODE_POLICIES
 from lbkit.sim.prefix_cache import apply_prefix_cache, prefix_hit_blocks
+from lbkit.sim.replicas import DecodeReplicas, PrefillReplicas, ReplicaSync
 from lbkit.sim.traces import (
     BUCKET_EDGES_TOKENS,
     FORMATS,
@@ -46,8 +49,11 @@ __all__ = [
     "FORMATS",
     "PREFILL_POLICIES",
     "BenchResult",
+    "DecodeReplicas",
     "DecodeRun",
+    "PrefillReplicas",
     "PrefillRun",
+    "ReplicaSync",
     "Trace",
     "TraceSummary",
     "apply_prefix_cache",

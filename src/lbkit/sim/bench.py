@@ -42,6 +42,7 @@ from lbkit.sim.policies import (
 )
 from lbkit.sim.policies_decode import DECODE_POLICIES, DEFAULT_DECODE_POLICY
 from lbkit.sim.prefix_cache import DSV3_KV_BYTES_PER_TOKEN
+from lbkit.sim.replicas import REPLICAS_ROW, DecodeReplicas, ReplicaSync
 from lbkit.sim.traces import Trace, _detect_format, load_trace
 
 __all__ = [
@@ -480,6 +481,7 @@ def run_decode_bench(
     migration_s_per_kv_token: float = MIGRATION_S_PER_KV_TOKEN,
     max_kv_tokens: int | None = DECODE_KV_CAPACITY_TOKENS,
     kv_watermark_tokens: int | None = None,
+    replicas: Any = None,
 ) -> dict[str, Any]:
     """Decode-only replay of ``trace`` loaded to ``batch_per_rank``, through every decode policy.
 
@@ -508,6 +510,12 @@ def run_decode_bench(
     migration_s_per_kv_token : float, default ``MIGRATION_S_PER_KV_TOKEN``
         KV transfer time of a move, for every policy that migrates (see
         :func:`~lbkit.sim.engine.simulate_decode`; the default is 40 GB/s for DeepSeek-V3).
+    replicas : ReplicaSync, optional
+        Also run the row ``"lbkit_replicas"`` (:data:`lbkit.sim.replicas.REPLICAS_ROW`): the
+        ``lbkit`` policy as ``replicas.k`` router replicas under its sync mode
+        (:class:`~lbkit.sim.replicas.DecodeReplicas`). With a KV capacity and views that are
+        not exact (``not replicas.exact``) its replicas admit only (no migration, which is
+        modelled there only with exact views); ``options["replicas"]`` says so.
 
     Returns
     -------
@@ -540,6 +548,14 @@ def run_decode_bench(
         policies["lbkit_migrate"] = lambda: LbkitDecode(
             de, dr, rng=seed, migrate_every_s=migrate_every_s, max_migrations=max_migrations
         )
+    if replicas is not None:
+        if not isinstance(replicas, ReplicaSync):
+            raise TypeError(f"replicas: must be a ReplicaSync, got {type(replicas).__name__}")
+        moves = max_kv_tokens is None or replicas.exact
+        every = 0.0 if moves else None
+        policies[REPLICAS_ROW] = lambda: DecodeReplicas(de, dr, sync=replicas, rng=seed,
+                                                        migrate_every_s=every)  # fmt: skip
+        sync_info = {**dataclasses.asdict(replicas), "migration": moves}
     transfer = {
         "migration_latency_s": check_real(
             migration_latency_s, "migration_latency_s", min_value=0.0
@@ -582,6 +598,8 @@ def run_decode_bench(
                     "kv_watermark_tokens": kv_watermark_tokens},
         "decode": {},
     }  # fmt: skip
+    if replicas is not None:
+        report["options"]["replicas"] = sync_info
     timing: dict[str, Any] = {"calibration_s": time.perf_counter() - start, "decode": {}}
     for name, make in policies.items():
         start = time.perf_counter()

@@ -94,11 +94,16 @@ def _policy_of(policy: Any, table: Mapping[str, Callable[..., Any]], kind: str, 
                 f"policy: unknown {kind} policy {policy!r}; choose from {', '.join(table)}"
             )
         return policy, table[policy](*args, **kw)
-    if not (hasattr(policy, "route") and hasattr(policy, "observe")):
+    made = policy
+    if isinstance(policy, type) or not hasattr(policy, "route"):
+        if callable(policy):  # a factory (num_engines, ranks_per_engine, *, cost, rng)
+            made = policy(*args, **kw)
+    if isinstance(made, type) or not (hasattr(made, "route") and hasattr(made, "observe")):
         raise TypeError(
-            f"policy: must be a {kind} policy name or an object with route() and observe(), "
-            f"got {type(policy).__name__}"
+            f"policy: must be a {kind} policy name, an object with route() and observe() or "
+            f"a factory of one, got {type(policy).__name__}"
         )
+    policy = made
     return getattr(policy, "name", type(policy).__name__), policy
 
 
@@ -179,9 +184,10 @@ def simulate_prefill(
     trace : Trace
         Requests in arrival order (times as they should be simulated; see
         :func:`scale_to_utilization`).
-    policy : str or policy object
-        A key of :data:`lbkit.sim.policies.PREFILL_POLICIES`, or an object with ``route`` and
-        ``observe`` (see :mod:`lbkit.sim.policies`).
+    policy : str, policy object or factory
+        A key of :data:`lbkit.sim.policies.PREFILL_POLICIES`, an object with ``route`` and
+        ``observe`` (see :mod:`lbkit.sim.policies`), or a factory ``(num_engines,
+        ranks_per_engine, *, cost, rng)`` of one (called once, with ``rng`` as a Generator).
     num_engines, ranks_per_engine : int
         Pool shape (default 8 x 8, SPEC §8).
     cost : QuadraticCost
@@ -330,9 +336,10 @@ def simulate_decode(
         A prefill run, or a trace for a *decode-only* replay: each request enters decode at its
         arrival time (as if prefill took no time), which lets the decode pool be loaded
         independently of a prefill pool (time-scale the trace to the load wanted).
-    policy : str or policy object
-        A key of :data:`lbkit.sim.policies_decode.DECODE_POLICIES` or an object with ``route``
-        and ``observe`` (see :mod:`lbkit.sim.policies_decode`).
+    policy : str, policy object or factory
+        A key of :data:`lbkit.sim.policies_decode.DECODE_POLICIES`, an object with ``route``
+        and ``observe`` (see :mod:`lbkit.sim.policies_decode`), or a factory ``(num_engines,
+        ranks_per_engine, *, cost, rng)`` of one (called once, with ``rng`` as a Generator).
     num_engines, ranks_per_engine : int
         Pool shape (default one engine of 64 ranks).
     cost : DecodeCost

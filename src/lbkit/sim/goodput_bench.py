@@ -59,12 +59,14 @@ from lbkit.sim.ideal import alone_s, simulate_ideal_prefill
 from lbkit.sim.peers import PEER_POLICIES
 from lbkit.sim.policies import PREFILL_POLICIES
 from lbkit.sim.prefix_cache import LocalPrefixCaches, apply_prefix_cache, capacity_blocks_for
+from lbkit.sim.replicas import REPLICAS_ROW, ReplicaSync, prefill_replicas
 from lbkit.sim.traces import Trace
 
 __all__ = [
     "CACHE_MODES",
     "DEFAULT_GOODPUT_OPTIONS",
     "PEER_NAMES",
+    "REPLICAS_ROW",
     "GoodputOptions",
     "PolicyGoodput",
     "Pools",
@@ -451,6 +453,7 @@ def run_goodput(
     options: GoodputOptions = DEFAULT_GOODPUT_OPTIONS,
     rank_cache: Callable[[Trace], Any] | None = None,
     progress: Callable[[str, int, int], None] | None = None,
+    replicas: ReplicaSync | None = None,
 ) -> dict[str, Any]:
     """Goodput of the ideal reference and of every prefill policy in ``policies`` on ``trace``.
 
@@ -461,6 +464,9 @@ def run_goodput(
     Returns the JSON sections of SPEC section 10: ``{"goodput": {POLICY: row}, "ideal": {...},
     "best_peer_requests_per_s": ..., "slo": {...}, "cache": cache}`` with rows as
     :func:`goodput_row` makes them (each with its ``curve`` of (rate, attainment) points).
+    With ``replicas`` (a :class:`~lbkit.sim.replicas.ReplicaSync`), one more row,
+    :data:`REPLICAS_ROW`: the ``lbkit`` policy as ``replicas.k`` router replicas under its sync
+    mode (:class:`~lbkit.sim.replicas.PrefillReplicas`).
 
     Examples
     --------
@@ -479,6 +485,12 @@ def run_goodput(
     names = list(policies)
     for name in names:
         check_choice(name, "policies", tuple(PREFILL_POLICIES))
+    makers: dict[str, Any] = dict(zip(names, names, strict=True))
+    if replicas is not None:
+        if not isinstance(replicas, ReplicaSync):
+            raise TypeError(f"replicas: must be a ReplicaSync, got {type(replicas).__name__}")
+        makers[REPLICAS_ROW] = prefill_replicas(replicas)
+        names.append(REPLICAS_ROW)
     total = len(names) + 1
     if progress is not None:
         progress("goodput ideal", 0, total)
@@ -490,7 +502,12 @@ def run_goodput(
         if progress is not None:
             progress(f"goodput {name}", j + 1, total)
         results[name] = prefill_goodput(
-            trace, name, cost=cost, options=options, start_rate=ref or 1.0, rank_cache=rank_cache
+            trace,
+            makers[name],
+            cost=cost,
+            options=options,
+            start_rate=ref or 1.0,
+            rank_cache=rank_cache,
         )
     best_peer = best_of(results, PEER_NAMES)
     rows = {n: goodput_row(g, ideal=ref, best_peer=best_peer) for n, g in results.items()}

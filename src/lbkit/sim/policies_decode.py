@@ -207,7 +207,18 @@ class LbkitDecode:
         self._factory = DecodeBalancer
         self._rng = rng
 
-    def _sync(self, view: Any) -> None:
+    def sync(self, view: Any) -> None:
+        """Bring the ledger up to ``view``: the first time, rebuild the balancer with the view's
+        admission limits (if any); then ``step`` it by the decode steps each engine completed
+        since the last call. ``route``, ``observe`` and ``migrations`` call it; a wrapper that
+        reads the ledger between calls (:mod:`lbkit.sim.replicas`) calls it first."""
+        if not self._caps_set:
+            self._caps_set = True
+            if view.max_batch is not None or view.max_kv_tokens is not None:
+                self.balancer = self._factory(
+                    self._e * self._r, max_batch=view.max_batch,
+                    max_kv_tokens=view.max_kv_tokens, rng=self._rng, **self._options,
+                )  # fmt: skip
         delta = view.steps - self._steps
         if delta.any():
             if self._e == 1:
@@ -217,18 +228,11 @@ class LbkitDecode:
             self._steps = view.steps.copy()
 
     def route(self, request: int, kv_tokens: int, /, *, now_s: float, view: Any) -> int:
-        if not self._caps_set:
-            self._caps_set = True
-            if view.max_batch is not None or view.max_kv_tokens is not None:
-                self.balancer = self._factory(
-                    self._e * self._r, max_batch=view.max_batch,
-                    max_kv_tokens=view.max_kv_tokens, rng=self._rng, **self._options,
-                )  # fmt: skip
-        self._sync(view)
+        self.sync(view)
         return self.balancer.admit(request, kv_tokens).rank
 
     def observe(self, finished: np.ndarray, /, *, now_s: float, view: Any) -> None:
-        self._sync(view)
+        self.sync(view)
         finish = self.balancer.finish
         for rid in finished.tolist():
             finish(rid)
@@ -237,7 +241,7 @@ class LbkitDecode:
         if self._every is None or now_s < self._next_s or not len(self.balancer):
             return []
         self._next_s = now_s + self._every
-        self._sync(view)
+        self.sync(view)
         moves = self.balancer.rebalance(self._moves)
         self.migrated_kv_tokens += sum(m.kv_tokens for m in moves)
         return [(int(m.request_id), m.target) for m in moves]
