@@ -50,13 +50,13 @@ def test_a_killed_replica_is_reaped_by_the_holder_of_the_reapers_lease(redis_ser
     store.flush()
     n = 2 * DECODE_RANKS
     mine = np.concatenate([alive.num_requests(), alive.kv_tokens()])
-    if alive._link.counts["reaped"] == 0:  # the dead replica's lease had not run out yet
+    if alive.statistics().store_reaped == 0:  # the dead replica's lease had not run out yet
         assert store.totals("decode", n).tolist() == (mine + np.ravel(dead["decode"])).tolist()
         time.sleep(0.6)  # past the lease and the silence
         alive.admit("a1", 300)  # a call: the duty is due
         store.flush()
         mine = np.concatenate([alive.num_requests(), alive.kv_tokens()])
-    assert alive._link.counts["reaped"] == 1
+    assert alive.statistics().store_reaped == 1
     assert store.totals("decode", n).tolist() == mine.tolist()
     assert sorted(store.contributions("decode", n)) == ["alive"]
     store.clear()
@@ -79,7 +79,9 @@ def test_the_round_leader_plans_on_the_fleets_demand_and_followers_apply_its_pla
         a.route(f"a{i}", 2000, now_s=0.1)
     rb = b.end_round(1.0)  # b takes the lease: it leads, and its cold start moves engines
     ra = a.end_round(1.0)  # a follows b's plan
-    assert b._link.counts["led"] == 1 and a._link.counts["followed"] == 1
+    sa, sb = a.statistics(), b.statistics()
+    assert sb.store_rounds_led == 1 and sa.store_plans_followed == 1
+    assert sa.store_rounds_led == 0 and sb.store_plans_followed == 0
     assert rb.moves and all(mv.to_bucket == 1 for mv in rb.moves)
     assert sorted(ra.moves) == sorted(rb.moves) and ra.engines == rb.engines
     assert a.statistics().engine_bucket == b.statistics().engine_bucket
@@ -88,7 +90,7 @@ def test_the_round_leader_plans_on_the_fleets_demand_and_followers_apply_its_pla
     assert rb.demand[0] == 0.0 and rb2.demand[0] > 0.0
     a.end_round(2.0)
     assert a.statistics().engine_bucket == b.statistics().engine_bucket
-    assert a._link.counts["led"] == 0
+    assert a.statistics().store_rounds_led == 0 and b.statistics().store_rounds_led == 2
     for bal in (a, b):
         bal._check()
     b._link.store.clear()
@@ -102,13 +104,43 @@ def test_a_paused_round_leader_is_replaced_and_its_late_plan_refused(redis_serve
     epoch_a = a._link.round_epoch
     time.sleep(0.5)  # a pauses past its lease
     b.end_round(1.5)  # b takes the lease (epoch 2) and writes its plan
-    assert b._link.counts["led"] == 1 and b._link.round_epoch == epoch_a + 1
+    assert b.statistics().store_rounds_led == 1 and b._link.round_epoch == epoch_a + 1
     store = b._link.store
     before = store.read_fenced("round-prefill")
     assert not a._link.write_plan({"home": [0, 0, 0, 0]})  # a wakes up, writes late: refused
-    assert a._link.counts["fenced"] == 1
+    assert a.statistics().store_plans_fenced == 1
     assert store.read_fenced("round-prefill") == before
     assert before[0] == epoch_a + 1
     a.end_round(2.0)  # a finds b's lease: it follows from now on
-    assert a._link.counts["led"] == 1
+    sa = a.statistics()
+    assert sa.store_rounds_led == 1 and sa.store_plans_followed == 1 and sa.store_plans_fenced == 1
     store.clear()
+
+
+def test_a_round_without_the_store_is_planned_alone_and_counted(own_server):
+    (a,) = _pair(own_server, "roundfail", lease_s=5.0)[:1]
+    a._link.clock = lambda: 0.0  # no retry while the server is down
+    for i in range(4):
+        a.route(f"a{i}", 60000, now_s=0.1)
+    a.end_round(1.0)
+    assert a.statistics().store_rounds_led == 1
+    own_server.stop()
+    a.route("x", 60000, now_s=1.1)  # a fallback: the store does not answer
+    result = a.end_round(2.0)  # planned on a's own demand
+    s = a.statistics()
+    assert result.demand[1] > 0.0
+    assert s.store_round_fallbacks == 1 and s.store_rounds_led == 1
+    assert s.store_fallbacks >= 1 and s.store_errors == 2  # the load table's and the demand's
+    a._check()
+    a._link.store.close()
+
+
+def test_a_decode_balancer_shows_the_duties_counters(redis_server):
+    store = RedisStore(redis_server.url, namespace="decstats", budget_s=2.0, reap_after_s=5.0)
+    bal = DecodeBalancer(DECODE_RANKS, store=store, replica_id="d")
+    bal.admit("x", 300)
+    s = bal.statistics()
+    assert s.store_views == 1 and s.store_reaped == 0  # the reaper's lease taken, none silent
+    assert s.store_rounds_led == s.store_plans_followed == s.store_round_fallbacks == 0
+    store.clear()
+    store.close()
