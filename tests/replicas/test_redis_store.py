@@ -97,3 +97,31 @@ def test_a_paused_leader_is_replaced_and_its_late_write_refused(any_server):
     assert store.read_fenced("other") is None
     with pytest.raises(ValueError, match="name"):
         store.acquire_lease("a:b", "a", ttl_s=1.0)
+
+
+def test_clear_removes_every_key_of_its_namespace_and_no_other(any_server):
+    """Tables, leases, epochs and fenced payloads go; a namespace the unescaped pattern would
+    match (``[l]``, ``*`` and ``?`` are glob characters) keeps its keys."""
+    import redis
+
+    stores = [RedisStore(any_server.url, namespace=ns, budget_s=2.0) for ns in ("c[l]*r?", "clxrz")]
+    for store in stores:
+        _sync(store, "a", 1, {0: 3}, whole=True)
+        store.sync("prefill-demand", "a", 1, np.array([0]), np.array([5]), 1, whole=True)
+        epoch = store.acquire_lease("round-prefill", "a", ttl_s=30.0)
+        assert store.write_fenced("round-prefill", epoch, "{}") == 1
+        store.reap("decode", max_silence_s=60.0)
+        store.flush()
+    with redis.Redis.from_url(any_server.url) as client:
+        before = {k for k in client.scan_iter() if k.startswith(b"lbkit:{clxrz}:")}
+        assert len(before) >= 8  # the table's, the demand's, the lease's
+        stores[0].clear()
+        left = set(client.scan_iter())
+    assert not {k for k in left if k.startswith(b"lbkit:{c[l]*r?}:")}
+    assert {k for k in left if k.startswith(b"lbkit:{clxrz}:")} == before
+    assert stores[0].read_fenced("round-prefill") is None
+    assert stores[0].acquire_lease("round-prefill", "b", ttl_s=1.0) == 1  # epochs start anew
+    assert stores[1].read_fenced("round-prefill") == (1, 1, "{}")
+    for store in stores:
+        store.clear()
+        store.close()

@@ -49,8 +49,8 @@ apply a version newer than the one they hold.
 
 Commands: ``EVALSHA``, ``SCRIPT LOAD``, ``TIME``, ``GET``, ``SET``, ``INCR``, ``PEXPIRE``,
 ``STRLEN``, ``BITFIELD``, ``HGET``, ``HMGET``, ``HSET``, ``HDEL``, ``HINCRBY``, ``HKEYS``,
-``SADD``, ``SREM``, ``SMEMBERS``, ``DEL``, ``PUBLISH``, ``SUBSCRIBE``, all in Redis 6.2 and
-Valkey.
+``SADD``, ``SREM``, ``SMEMBERS``, ``DEL``, ``SCAN``, ``PUBLISH``, ``SUBSCRIBE``, all in Redis
+6.2 and Valkey.
 
 Every call has a time budget (``budget_s``: socket connect and read timeouts, no retries but
 one on a connection found broken); a call that fails or exceeds it raises
@@ -85,9 +85,16 @@ _TABLES = ("decode", "prefill", "prefill-demand")
 DEFAULT_LEASE_S = 10.0
 #: Default seconds of silence after which a replica is reaped.
 DEFAULT_REAP_AFTER_S = 30.0
+#: Keys a ``SCAN`` of :meth:`RedisStore.clear` asks for at once.
+CLEAR_BATCH = 1000
 #: Publishes in flight from which a call reads the replies that have come (fewer reads, each
 #: of many replies at once; a refused publish shows within this many calls).
 POLL_PENDING = 8
+
+
+def _glob_escape(text: str) -> bytes:
+    """``text`` as a ``SCAN MATCH`` pattern that matches it literally."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text).encode()
 
 
 def _name_iv(value: Any, name: str) -> str:
@@ -360,15 +367,22 @@ class RedisStore:
         }
 
     def clear(self) -> None:
-        """Delete every key of this namespace's tables (for tests and a fresh start), and
-        announce it to the mirrors."""
+        """Delete every key of this namespace (tables, leases, epochs, fenced payloads; for
+        tests and a fresh start), and announce it to the mirrors.
+
+        Runtime complexity: the server's ``SCAN`` of its keyspace, ``CLEAR_BATCH`` keys a call.
+        """
+        pattern = _glob_escape(f"lbkit:{{{self.namespace}}}:") + b"*"
+        cursor = b"0"
+        while True:
+            cursor, keys = self._pipe.command(
+                "SCAN", cursor, "MATCH", pattern, "COUNT", CLEAR_BATCH
+            )
+            if keys:
+                self._pipe.command("DEL", *keys)
+            if cursor == b"0":
+                break
         for table in _TABLES:
-            names = set(self._pipe.command("HKEYS", self._key(table, "seen")))
-            names |= set(self._pipe.command("SMEMBERS", self._key(table, "replicas")))
-            names |= set(self._pipe.command("HKEYS", self._key(table, "ver")))
-            keys = [self._key(table, p) for p in ("tot", "ver", "replicas", "seen", "seq")]
-            keys += [self._key(table, f"c:{m.decode()}") for m in names]
-            self._pipe.command("DEL", *keys)
             self._pipe.command("PUBLISH", self._channel(table), b"0||")
 
     def close(self) -> None:
