@@ -34,17 +34,16 @@ def _worker(server, ns, rid, *flags):
     )
 
 
-def test_a_killed_replica_is_reaped_by_the_holder_of_the_reapers_lease(redis_server):
+def test_a_killed_replica_is_reaped_by_the_holder_of_the_reapers_lease(redis_server, closing):
     """The killed replica held the reaper's lease itself: once the lease and its silence run
     out, the replica alive takes the lease and reaps it, without anyone calling reap()."""
-    proc = _worker(redis_server, "autoreap", "dead", "hold", "reap=0.4")
-    try:
-        dead = json.loads(proc.stdout.readline())
-    finally:
-        proc.kill()  # SIGKILL: no goodbye
-        proc.wait(timeout=30)
-        proc.stdout.close()
-    store = RedisStore(redis_server.url, namespace="autoreap", budget_s=2.0, reap_after_s=0.4)
+    with _worker(redis_server, "autoreap", "dead", "hold", "reap=0.4") as proc:
+        try:
+            dead = json.loads(proc.stdout.readline())
+        finally:
+            proc.kill()  # SIGKILL: no goodbye
+    store = closing(RedisStore(redis_server.url, namespace="autoreap", budget_s=2.0,
+                               reap_after_s=0.4))  # fmt: skip
     alive = DecodeBalancer(DECODE_RANKS, store=store, replica_id="alive")
     alive.admit("a0", 300)
     store.flush()
@@ -62,18 +61,20 @@ def test_a_killed_replica_is_reaped_by_the_holder_of_the_reapers_lease(redis_ser
     store.clear()
 
 
-def _pair(server, ns, lease_s):
+def _pair(server, closing, ns, lease_s):
     kw = dict(
         cost=COST, buckets=Buckets(edges=(16384,)), rounds=Rounds(min_dwell_s=0.0, max_drain_s=None)
     )
-    stores = [RedisStore(server.url, namespace=ns, budget_s=2.0, lease_s=lease_s,
-                         reap_after_s=None) for _ in range(2)]  # fmt: skip
+    stores = [closing(RedisStore(server.url, namespace=ns, budget_s=2.0, lease_s=lease_s,
+                                 reap_after_s=None)) for _ in range(2)]  # fmt: skip
     return [PrefillBalancer(4, 1, **kw, store=s, replica_id=r)
             for s, r in zip(stores, "ab", strict=True)]  # fmt: skip
 
 
-def test_the_round_leader_plans_on_the_fleets_demand_and_followers_apply_its_plan(redis_server):
-    a, b = _pair(redis_server, "round", lease_s=5.0)
+def test_the_round_leader_plans_on_the_fleets_demand_and_followers_apply_its_plan(
+    redis_server, closing
+):
+    a, b = _pair(redis_server, closing, "round", lease_s=5.0)
     for i in range(6):  # b routes long prompts only, a short ones only
         b.route(f"b{i}", 60000, now_s=0.1)
         a.route(f"a{i}", 2000, now_s=0.1)
@@ -96,8 +97,8 @@ def test_the_round_leader_plans_on_the_fleets_demand_and_followers_apply_its_pla
     b._link.store.clear()
 
 
-def test_a_paused_round_leader_is_replaced_and_its_late_plan_refused(redis_server):
-    a, b = _pair(redis_server, "fence", lease_s=0.3)
+def test_a_paused_round_leader_is_replaced_and_its_late_plan_refused(redis_server, closing):
+    a, b = _pair(redis_server, closing, "fence", lease_s=0.3)
     for i in range(4):
         a.route(f"a{i}", 60000, now_s=0.1)
     a.end_round(1.0)  # a leads under epoch 1
@@ -117,8 +118,8 @@ def test_a_paused_round_leader_is_replaced_and_its_late_plan_refused(redis_serve
     store.clear()
 
 
-def test_a_round_without_the_store_is_planned_alone_and_counted(own_server):
-    (a,) = _pair(own_server, "roundfail", lease_s=5.0)[:1]
+def test_a_round_without_the_store_is_planned_alone_and_counted(own_server, closing):
+    a = _pair(own_server, closing, "roundfail", lease_s=5.0)[0]
     a._link.clock = lambda: 0.0  # no retry while the server is down
     for i in range(4):
         a.route(f"a{i}", 60000, now_s=0.1)
@@ -132,15 +133,14 @@ def test_a_round_without_the_store_is_planned_alone_and_counted(own_server):
     assert s.store_round_fallbacks == 1 and s.store_rounds_led == 1
     assert s.store_fallbacks >= 1 and s.store_errors == 2  # the load table's and the demand's
     a._check()
-    a._link.store.close()
 
 
-def test_a_decode_balancer_shows_the_duties_counters(redis_server):
-    store = RedisStore(redis_server.url, namespace="decstats", budget_s=2.0, reap_after_s=5.0)
+def test_a_decode_balancer_shows_the_duties_counters(redis_server, closing):
+    store = closing(RedisStore(redis_server.url, namespace="decstats", budget_s=2.0,
+                               reap_after_s=5.0))  # fmt: skip
     bal = DecodeBalancer(DECODE_RANKS, store=store, replica_id="d")
     bal.admit("x", 300)
     s = bal.statistics()
     assert s.store_views == 1 and s.store_reaped == 0  # the reaper's lease taken, none silent
     assert s.store_rounds_led == s.store_plans_followed == s.store_round_fallbacks == 0
     store.clear()
-    store.close()

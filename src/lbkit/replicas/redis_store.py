@@ -149,6 +149,9 @@ class RedisStore:
 
     Runtime complexity: a view is one round trip (none with ``mirror``), a publish none (it is
     pipelined); the server's work is O(published fields + fields of the table).
+
+    A store holds connections until :meth:`close`; ``with RedisStore(...) as store:`` closes
+    it at the end of the block.
     """
 
     def __init__(
@@ -386,8 +389,15 @@ class RedisStore:
             self._pipe.command("PUBLISH", self._channel(table), b"0||")
 
     def close(self) -> None:
-        """Wait for the publishes in flight (best effort) and close the connections."""
+        """Wait for the publishes in flight (best effort) and close the connections (a store
+        closed may be used again: it connects anew)."""
         self._pipe.close()
         if self._mirror is not None:
             self._mirror.close()
         self._client.close()
+
+    def __enter__(self) -> RedisStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
