@@ -1,6 +1,7 @@
 """The leader's duties on a real server: the automatic reaper (a SIGKILLed replica reaped by
-the holder of the reaper's lease) and the prefill round (demand summed in the store, the
-leader's plan followed, a replaced leader's late write refused by the fencing epoch)."""
+the holder of the reaper's lease), the prefill round (demand summed in the store, the
+leader's plan followed, a replaced leader's late write refused by the fencing epoch) and the
+EPLB scheduler's state saved under the same fencing."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from lbkit.core import PRESETS
 from lbkit.decode import DecodeBalancer
+from lbkit.eplb import EplbScheduler, synthetic_expert_load
 from lbkit.prefill import Buckets, PrefillBalancer, Rounds
 from lbkit.replicas import RedisStore
 
@@ -144,3 +147,37 @@ def test_a_decode_balancer_shows_the_duties_counters(redis_server, closing):
     assert s.store_views == 1 and s.store_reaped == 0  # the reaper's lease taken, none silent
     assert s.store_rounds_led == s.store_plans_followed == s.store_round_fallbacks == 0
     store.clear()
+
+
+def test_eplb_scheduler_state_is_saved_under_the_leaders_fencing_epoch(any_server, closing):
+    """The leader saves its scheduler, a new leader resumes from it and saves its own; the
+    old leader's late save is refused and changes nothing."""
+    store_a, store_b = (closing(RedisStore(any_server.url, namespace="eplb", budget_s=2.0))
+                        for _ in range(2))  # fmt: skip
+    w = synthetic_expert_load(2, 16, rng=0)
+    sched = EplbScheduler(2, 16, 20, 4, 1, 4, window=2, min_interval_s=60.0)
+    sched.record(w)
+    assert sched.maybe_rebalance(now_s=0.0).replanned
+    assert store_b.load_eplb("eplb") is None
+    epoch_a = store_a.acquire_lease("eplb", "a", ttl_s=600.0)
+    assert store_a.save_eplb("eplb", epoch_a, sched) == 1
+    epoch, version, resumed = store_b.load_eplb("eplb")
+    assert (epoch, version) == (epoch_a, 1)
+    assert resumed.state_dict() == sched.state_dict()
+    resumed.record(w * np.linspace(0.5, 2.0, 16))
+    resumed.maybe_rebalance(now_s=120.0)
+    # The lease changes hands (a released it here; a paused leader's lease runs out alike).
+    assert store_a.release_lease("eplb", "a", epoch_a)
+    epoch_b = store_b.acquire_lease("eplb", "b", ttl_s=600.0)
+    assert epoch_b == epoch_a + 1
+    assert store_b.save_eplb("eplb", epoch_b, resumed) == 2
+    sched.record(w * 3)  # a wakes up and saves late: refused
+    assert store_a.save_eplb("eplb", epoch_a, sched) == -1
+    epoch, version, got = store_a.load_eplb("eplb")
+    assert (epoch, version) == (epoch_b, 2)
+    assert got.state_dict() == resumed.state_dict() != sched.state_dict()
+    assert got.statistics().num_recordings == 2
+    got._check()
+    with pytest.raises(TypeError, match="scheduler"):
+        store_b.save_eplb("eplb", epoch_b, sched.state_dict())
+    store_a.clear()

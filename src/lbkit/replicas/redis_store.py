@@ -45,7 +45,10 @@ holder (:meth:`RedisStore.acquire_lease`). Each grant takes a new *fencing epoch
 counter ``lbkit:{ns}:epoch:NAME``, and :meth:`RedisStore.write_fenced` applies a write only
 under the latest epoch: a leader that paused past its lease and was replaced finds its late
 writes refused. Followers read the versioned payload with :meth:`RedisStore.read_fenced` and
-apply a version newer than the one they hold.
+apply a version newer than the one they hold. The EPLB scheduler's state goes the same way:
+:meth:`RedisStore.save_eplb` writes :meth:`lbkit.eplb.EplbScheduler.state_dict` under the
+leader's epoch, :meth:`RedisStore.load_eplb` rebuilds the scheduler (a replica taking over the
+lease resumes where the last leader stopped).
 
 Commands: ``EVALSHA``, ``SCRIPT LOAD``, ``TIME``, ``GET``, ``SET``, ``INCR``, ``PEXPIRE``,
 ``STRLEN``, ``BITFIELD``, ``HGET``, ``HMGET``, ``HSET``, ``HDEL``, ``HINCRBY``, ``HKEYS``,
@@ -59,6 +62,7 @@ one on a connection found broken); a call that fails or exceeds it raises
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
@@ -354,6 +358,35 @@ class RedisStore:
         if got[0] is None:
             return None
         return int(got[0]), int(got[1]), got[2].decode()
+
+    # ------------------------------------------------------------------ EPLB state
+    def save_eplb(self, name: str, epoch: int, scheduler: Any) -> int:
+        """Save ``scheduler``'s state (:meth:`lbkit.eplb.EplbScheduler.state_dict`, as JSON)
+        under lease ``name`` if ``epoch`` is the latest granted (:meth:`write_fenced`): the
+        new version, or -1 for a refused write (a newer leader exists).
+
+        Raises
+        ------
+        TypeError
+            ``scheduler`` is not an :class:`lbkit.eplb.EplbScheduler`.
+        """
+        from lbkit.eplb import EplbScheduler
+
+        if not isinstance(scheduler, EplbScheduler):
+            raise TypeError(f"scheduler: must be an EplbScheduler, got {type(scheduler).__name__}")
+        return self.write_fenced(name, epoch, json.dumps(scheduler.state_dict()))
+
+    def load_eplb(self, name: str) -> tuple[int, int, Any] | None:
+        """``(epoch, version, scheduler)`` of the last state saved under lease ``name`` by
+        :meth:`save_eplb`, the scheduler rebuilt by
+        :meth:`lbkit.eplb.EplbScheduler.from_state_dict` (``None``: none saved yet)."""
+        from lbkit.eplb import EplbScheduler
+
+        got = self.read_fenced(name)
+        if got is None:
+            return None
+        epoch, version, payload = got
+        return epoch, version, EplbScheduler.from_state_dict(json.loads(payload))
 
     # ------------------------------------------------------------------ inspection
     def totals(self, key: str, size: int) -> np.ndarray:
