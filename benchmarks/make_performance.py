@@ -14,7 +14,8 @@ Steps:
    same array; a plan against DeepSeek's reference implementation when ``LBKIT_DEEPSEEK_EPLB``
    names a copy of its ``eplb.py`` and torch is installed).
 2. The balance scripts of :data:`TABLE_SCRIPTS` (EPLB targets and drift, decode streams, trace
-   replay), each writing ``{"tables": [...]}`` to ``benchmarks/results/``.
+   replay, the router replicas' admission latency), each writing ``{"tables": [...]}`` to
+   ``benchmarks/results/``.
 3. Render the page: method first, then tables. The page is never edited by hand.
 4. Refresh the tables that other pages quote from the same results: a block
    ``<!-- table: FILE | TITLE [| COLUMN: V1, V2; COLUMN: V3] -->`` ... ``<!-- end table -->``
@@ -61,7 +62,13 @@ TABLE_SCRIPTS = (
     ),
     ("Decode migration", "decode_migration.py", (), "decode_migration.json"),
     ("Trace replay (simulator)", "sim_targets.py", (), "sim_targets.json"),
-    ("Router replicas", "replica_sync.py", (), "replica_sync.json"),
+    ("Router replicas in the simulator", "replica_sync.py", (), "replica_sync.json"),
+    (
+        "Router replicas: admission latency on a real store",
+        "replica_latency.py",
+        (),
+        "replica_latency.json",
+    ),
 )
 
 #: The goodput section, first after the method: (title, script, arguments, results file).

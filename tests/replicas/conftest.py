@@ -49,5 +49,19 @@ def any_server(request):
 
 
 @pytest.fixture
+def closing():
+    """``closing(store)`` returns the store and closes it when the test ends, passed or not."""
+    opened = []
+
+    def keep(store):
+        opened.append(store)
+        return store
+
+    yield keep
+    for store in reversed(opened):
+        store.close()
+
+
+@pytest.fixture
 def namespace():
     return f"t{next(_names)}"

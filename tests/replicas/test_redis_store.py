@@ -17,8 +17,8 @@ def _sync(store, replica, version, values: dict, size=4, whole=False):
     return store.sync("decode", replica, version, fields, vals, size, whole=whole)
 
 
-def test_sync_sums_contributions_and_ignores_old_versions(any_server):
-    store = RedisStore(any_server.url, namespace="s", budget_s=2.0)
+def test_sync_sums_contributions_and_ignores_old_versions(any_server, closing):
+    store = closing(RedisStore(any_server.url, namespace="s", budget_s=2.0))
     tot, ver = _sync(store, "a", 1, {0: 3, 2: 2**50}, whole=True)
     assert tot.tolist() == [3, 0, 2**50, 0] and ver == 1
     tot, ver = _sync(store, "b", 1, {0: 1, 1: 5}, whole=True)
@@ -40,11 +40,10 @@ def test_sync_sums_contributions_and_ignores_old_versions(any_server):
     assert (sum(contrib.values()) == store.totals("decode", 4)).all()
     store.clear()
     assert store.totals("decode", 4).tolist() == [0, 0, 0, 0]
-    store.close()
 
 
-def test_an_unreachable_server_raises_store_error(own_server):
-    store = RedisStore(own_server.url, namespace="x", budget_s=0.2)
+def test_an_unreachable_server_raises_store_error(own_server, closing):
+    store = closing(RedisStore(own_server.url, namespace="x", budget_s=0.2))
     _sync(store, "a", 1, {0: 1}, whole=True)
     own_server.stop()
     with pytest.raises(StoreError):
@@ -56,8 +55,8 @@ def test_an_unreachable_server_raises_store_error(own_server):
     assert tot.tolist() == [2, 0, 0, 0] and ver == 4
 
 
-def test_a_paused_server_times_out_within_the_budget(own_server):
-    store = RedisStore(own_server.url, namespace="p", budget_s=0.1)
+def test_a_paused_server_times_out_within_the_budget(own_server, closing):
+    store = closing(RedisStore(own_server.url, namespace="p", budget_s=0.1))
     _sync(store, "a", 1, {0: 1})
     own_server.pause()
     try:
@@ -77,8 +76,8 @@ def test_bad_arguments_are_named(kw, match):
         RedisStore("redis://127.0.0.1:1/0", **kw)
 
 
-def test_a_paused_leader_is_replaced_and_its_late_write_refused(any_server):
-    store = RedisStore(any_server.url, namespace="lease", budget_s=2.0)
+def test_a_paused_leader_is_replaced_and_its_late_write_refused(any_server, closing):
+    store = closing(RedisStore(any_server.url, namespace="lease", budget_s=2.0))
     a = store.acquire_lease("round", "a", ttl_s=0.3)
     assert a == 1
     assert store.acquire_lease("round", "b", ttl_s=0.3) == -1  # a holds it
@@ -97,3 +96,31 @@ def test_a_paused_leader_is_replaced_and_its_late_write_refused(any_server):
     assert store.read_fenced("other") is None
     with pytest.raises(ValueError, match="name"):
         store.acquire_lease("a:b", "a", ttl_s=1.0)
+
+
+def test_clear_removes_every_key_of_its_namespace_and_no_other(any_server, closing):
+    """Tables, leases, epochs and fenced payloads go; a namespace the unescaped pattern would
+    match (``[l]``, ``*`` and ``?`` are glob characters) keeps its keys."""
+    import redis
+
+    stores = [closing(RedisStore(any_server.url, namespace=ns, budget_s=2.0))
+              for ns in ("c[l]*r?", "clxrz")]  # fmt: skip
+    for store in stores:
+        _sync(store, "a", 1, {0: 3}, whole=True)
+        store.sync("prefill-demand", "a", 1, np.array([0]), np.array([5]), 1, whole=True)
+        epoch = store.acquire_lease("round-prefill", "a", ttl_s=30.0)
+        assert store.write_fenced("round-prefill", epoch, "{}") == 1
+        store.reap("decode", max_silence_s=60.0)
+        store.flush()
+    with redis.Redis.from_url(any_server.url) as client:
+        before = {k for k in client.scan_iter() if k.startswith(b"lbkit:{clxrz}:")}
+        assert len(before) >= 8  # the table's, the demand's, the lease's
+        stores[0].clear()
+        left = set(client.scan_iter())
+    assert not {k for k in left if k.startswith(b"lbkit:{c[l]*r?}:")}
+    assert {k for k in left if k.startswith(b"lbkit:{clxrz}:")} == before
+    assert stores[0].read_fenced("round-prefill") is None
+    assert stores[0].acquire_lease("round-prefill", "b", ttl_s=1.0) == 1  # epochs start anew
+    assert stores[1].read_fenced("round-prefill") == (1, 1, "{}")
+    for store in stores:
+        store.clear()

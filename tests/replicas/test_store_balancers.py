@@ -71,15 +71,15 @@ def _decode_run(bal, ops):
 def test_one_replica_decides_as_the_in_process_decode_balancer(redis_server, policy, lookahead,
                                                                ops, mirror):  # fmt: skip
     kw = dict(policy=policy, lookahead_steps=lookahead, max_kv_tokens=20000, rng=1)
-    store = _store(redis_server, mirror=mirror)
-    alone, shared = DecodeBalancer(N, **kw), DecodeBalancer(N, **kw, store=store, replica_id="a")
-    assert _decode_run(alone, ops) == _decode_run(shared, ops)
-    s = shared.statistics()
-    assert s.store_fallbacks == 0 and s.store_errors == 0
-    store.flush()
-    assert store.totals("decode", 2 * N).tolist() == [*s.num_requests, *s.kv_tokens]
-    store.clear()
-    store.close()
+    with _store(redis_server, mirror=mirror) as store:
+        alone = DecodeBalancer(N, **kw)
+        shared = DecodeBalancer(N, **kw, store=store, replica_id="a")
+        assert _decode_run(alone, ops) == _decode_run(shared, ops)
+        s = shared.statistics()
+        assert s.store_fallbacks == 0 and s.store_errors == 0
+        store.flush()
+        assert store.totals("decode", 2 * N).tolist() == [*s.num_requests, *s.kv_tokens]
+        store.clear()
 
 
 PREFILL_OPS = st.lists(
@@ -115,18 +115,17 @@ def _prefill_run(bal, ops):
 def test_one_replica_decides_as_the_in_process_prefill_balancer(redis_server, choice, ops,
                                                                 mirror):  # fmt: skip
     kw = dict(cost=COST, choice=choice, buckets=Buckets(edges=(16384, 65536)))
-    store = _store(redis_server, mirror=mirror)
-    alone = PrefillBalancer(3, 2, **kw)
-    shared = PrefillBalancer(3, 2, **kw, store=store, replica_id="a")
-    assert _prefill_run(alone, ops) == _prefill_run(shared, ops)
-    assert alone.state_dict()["state"] == shared.state_dict()["state"]
-    assert shared.statistics().store_fallbacks == 0
-    store.clear()
-    store.close()
+    with _store(redis_server, mirror=mirror) as store:
+        alone = PrefillBalancer(3, 2, **kw)
+        shared = PrefillBalancer(3, 2, **kw, store=store, replica_id="a")
+        assert _prefill_run(alone, ops) == _prefill_run(shared, ops)
+        assert alone.state_dict()["state"] == shared.state_dict()["state"]
+        assert shared.statistics().store_fallbacks == 0
+        store.clear()
 
 
-def test_two_replicas_see_each_other(redis_server):
-    store_a, store_b = _store(redis_server, "two"), _store(redis_server, "two")
+def test_two_replicas_see_each_other(redis_server, closing):
+    store_a, store_b = closing(_store(redis_server, "two")), closing(_store(redis_server, "two"))
     a = DecodeBalancer(2, store=store_a, replica_id="a")
     b = DecodeBalancer(2, store=store_b, replica_id="b")
     assert a.admit("x", 5000).rank == 0
@@ -143,8 +142,8 @@ def test_two_replicas_see_each_other(redis_server):
     store_a.clear()
 
 
-def test_two_mirroring_replicas_see_each_other(redis_server):
-    stores = [_store(redis_server, "two-m", mirror=True) for _ in range(2)]
+def test_two_mirroring_replicas_see_each_other(redis_server, closing):
+    stores = [closing(_store(redis_server, "two-m", mirror=True)) for _ in range(2)]
     a = DecodeBalancer(2, store=stores[0], replica_id="a")
     b = DecodeBalancer(2, store=stores[1], replica_id="b")
     assert b.admit("w", 1).rank == 0  # b subscribes and snapshots
@@ -170,7 +169,7 @@ def test_two_mirroring_replicas_see_each_other(redis_server):
     stores[0].clear()
 
 
-def test_concurrent_replicas_add_up(redis_server):
+def test_concurrent_replicas_add_up(redis_server, closing):
     """K processes admit, finish (twice) and step at once, half of them viewing the store and
     half mirroring it: the totals are the sum of the contributions and of the replicas' own
     ledgers."""
@@ -196,11 +195,17 @@ def test_concurrent_replicas_add_up(redis_server):
         for i in range(k)
     ]
     results = []
-    for p in procs:
-        out, _ = p.communicate(timeout=120)
-        assert p.returncode == 0
-        results.append(json.loads(out))
-    store = _store(redis_server, "conc")
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=120)
+            assert p.returncode == 0
+            results.append(json.loads(out))
+    finally:
+        for p in procs:  # those left when one failed or timed out
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+    store = closing(_store(redis_server, "conc"))
     n_dec = 2 * DECODE_RANKS
     tot = store.totals("decode", n_dec)
     contrib = store.contributions("decode", n_dec)
@@ -216,11 +221,11 @@ def test_concurrent_replicas_add_up(redis_server):
     store.clear()
 
 
-def test_outage_keeps_routing_and_recovers_without_loss(own_server):
+def test_outage_keeps_routing_and_recovers_without_loss(own_server, closing):
     """Stop the server mid-run, keep admitting and finishing, restart it (empty: no
     persistence): the replicas publish again and the totals are their ledgers."""
     clock = [0.0]
-    stores = [_store(own_server, "out", budget_s=0.5) for _ in range(2)]
+    stores = [closing(_store(own_server, "out", budget_s=0.5)) for _ in range(2)]
     bals = [DecodeBalancer(4, store=s, replica_id=f"r{i}") for i, s in enumerate(stores)]
     for bal in bals:
         bal._link.clock = lambda: clock[0]
@@ -246,12 +251,10 @@ def test_outage_keeps_routing_and_recovers_without_loss(own_server):
     assert all(b.statistics().store_reconnects >= 1 for b in bals)
     for bal in bals:
         bal._check()
-    for store in stores:
-        store.close()
 
 
-def test_a_replica_that_saw_no_failure_rebuilds_a_lost_store(own_server):
-    store = _store(own_server, "lost")
+def test_a_replica_that_saw_no_failure_rebuilds_a_lost_store(own_server, closing):
+    store = closing(_store(own_server, "lost"))
     bal = PrefillBalancer(2, 2, cost=COST, store=store, replica_id="a")
     bal.route("x", 20000, now_s=0.0)
     own_server.stop()
@@ -263,8 +266,8 @@ def test_a_replica_that_saw_no_failure_rebuilds_a_lost_store(own_server):
     assert bal.statistics().store_reconnects == 1
 
 
-def test_a_paused_server_costs_one_budget_then_falls_back(own_server):
-    store = _store(own_server, "pause", budget_s=0.1)
+def test_a_paused_server_costs_one_budget_then_falls_back(own_server, closing):
+    store = closing(_store(own_server, "pause", budget_s=0.1))
     bal = DecodeBalancer(2, store=store, replica_id="a")
     bal._link.clock = lambda: 0.0  # no retry while paused
     bal.admit("x", 10)
@@ -320,26 +323,26 @@ def test_store_and_replica_id_go_together():
         PrefillBalancer(1, 1, cost=COST, store=object(), replica_id="a")
 
 
-def test_a_killed_replica_is_reaped_and_a_paused_one_comes_back_whole(redis_server):
+def test_a_killed_replica_is_reaped_and_a_paused_one_comes_back_whole(redis_server, closing):
     """SIGKILL a replica process: its contribution stays until reaped; a replica only silent
     (paused) is reaped too, and publishes its whole ledger again when it calls next."""
     here = Path(__file__).resolve().parent
     env = dict(os.environ, NUMBA_DISABLE_JIT="1")
     env["PYTHONPATH"] = os.pathsep.join([str(here.parents[1] / "src"), env.get("PYTHONPATH", "")])
-    proc = subprocess.Popen(
+    with subprocess.Popen(
         [sys.executable, str(here / "worker.py"), redis_server.url, "reap", "dead", "7", "60",
          "hold"],
         stdout=subprocess.PIPE,
         env=env,
-    )  # fmt: skip
-    try:
-        dead = json.loads(proc.stdout.readline())
-    finally:
-        proc.kill()  # SIGKILL: no goodbye
-        proc.wait(timeout=30)
-    store = _store(redis_server, "reap")
+    ) as proc:  # fmt: skip
+        try:
+            dead = json.loads(proc.stdout.readline())
+        finally:
+            proc.kill()  # SIGKILL: no goodbye
+    store = closing(_store(redis_server, "reap"))
     alive = DecodeBalancer(DECODE_RANKS, store=store, replica_id="alive")
-    paused = DecodeBalancer(DECODE_RANKS, store=_store(redis_server, "reap"), replica_id="paused")
+    paused = DecodeBalancer(DECODE_RANKS, store=closing(_store(redis_server, "reap")),
+                            replica_id="paused")  # fmt: skip
     for i in range(6):
         alive.admit(f"a{i}", 300)
         paused.admit(f"p{i}", 70)
@@ -365,8 +368,8 @@ def test_a_killed_replica_is_reaped_and_a_paused_one_comes_back_whole(redis_serv
     store.clear()
 
 
-def test_a_replica_restarted_from_its_state_publishes_its_ledger(own_server):
-    store = _store(own_server, "restart")
+def test_a_replica_restarted_from_its_state_publishes_its_ledger(own_server, closing):
+    store = closing(_store(own_server, "restart"))
     dec = DecodeBalancer(4, store=store, replica_id="a")
     pre = PrefillBalancer(2, 2, cost=COST, store=store, replica_id="a")
     for i in range(5):

@@ -73,6 +73,7 @@ def main() -> None:
     }), flush=True)  # fmt: skip
     if hold:
         time.sleep(120)
+    store.close()
 
 
 if __name__ == "__main__":

@@ -50,6 +50,11 @@ A store that also offers leases (``acquire_lease``, ``write_fenced``, ``read_fen
   fencing epoch; a follower applies the latest plan it has not applied (the moves from its
   buckets to the plan's) instead of its own. A leader that paused past its lease and was
   replaced finds its write refused, counted in ``fenced``.
+
+A round whose store calls fail is planned on the replica's own figures (counted in
+``round_fallbacks``). A balancer's ``statistics()`` shows the counters as ``store_reaped``,
+``store_rounds_led``, ``store_plans_followed``, ``store_plans_fenced`` and
+``store_round_fallbacks``.
 """
 
 from __future__ import annotations
@@ -161,7 +166,11 @@ class ReplicaLink:
     Counters: ``views`` (good calls that read the totals), ``publishes``, ``fallbacks``
     (decisions on an estimate), ``errors`` (failed store calls), ``reconnects`` (first good
     call after a failure), ``rebuilds`` (the store did not hold our last publish, e.g. after a
-    server restart without persistence: published whole again at once).
+    server restart without persistence: published whole again at once); the duties'
+    ``reaped`` (contributions of silent replicas taken out), ``led`` (rounds planned as the
+    holder of the round's lease), ``followed`` (leader's plans applied), ``fenced`` (plans
+    refused by the fencing epoch: a newer leader exists) and ``round_fallbacks`` (rounds on
+    this replica's own figures because the store did not answer).
     """
 
     def __init__(
@@ -192,7 +201,7 @@ class ReplicaLink:
         self.acked = -1  # version of our last publish the store applied
         self.retry_at = -np.inf
         names = ("views", "publishes", "fallbacks", "errors", "reconnects", "rebuilds",
-                 "reaped", "led", "followed", "fenced")  # fmt: skip
+                 "reaped", "led", "followed", "fenced", "round_fallbacks")  # fmt: skip
         self.counts = dict.fromkeys(names, 0)
         self.next_duty = -np.inf
         self.demand: ReplicaLink | None = None  # the cumulative demand's table (rounds)
@@ -200,6 +209,7 @@ class ReplicaLink:
         self.foreign_demand: np.ndarray | None = None  # the others' at the last round
         self.round_epoch = -1
         self.plan_version = 0
+        self.round_failed = False  # this round's demand came without the store
 
     # ------------------------------------------------------------------ calls
     def _call(
@@ -297,6 +307,7 @@ class ReplicaLink:
         d = self.demand
         changed = np.flatnonzero((self.demand_cum != d.published).ravel())
         if not d._call(self.demand_cum, changed):
+            self.round_failed = True
             return (q / self.share).tolist()
         now = d.foreign[0].astype(np.float64)
         last, self.foreign_demand = self.foreign_demand, now
@@ -313,6 +324,10 @@ class ReplicaLink:
         store = self.store
         if not callable(getattr(store, "acquire_lease", None)):
             return result
+        failed, self.round_failed = self.round_failed, False
+        if failed or self.clock() < self.retry_at:  # the store does not answer: plan alone
+            self.counts["round_fallbacks"] += 1
+            return result
         name = f"round-{self.key}"
         try:
             epoch = store.acquire_lease(name, self.replica_id, ttl_s=store.lease_s)
@@ -328,6 +343,7 @@ class ReplicaLink:
             got = store.read_fenced(name)
         except StoreError:
             self._failed()
+            self.counts["round_fallbacks"] += 1
             return result
         if got is None or got[1] <= self.plan_version:
             return None
@@ -353,14 +369,23 @@ class ReplicaLink:
         return True
 
     def statistics(self) -> dict[str, int]:
-        """The ``store_*`` fields of a balancer's statistics: views, fallbacks, errors, and
-        reconnects (rebuilds included)."""
-        c = self.counts
+        """The ``store_*`` fields of a balancer's statistics: views, fallbacks, errors and
+        reconnects (rebuilds included), and the duties' counters; the calls of the round
+        demand's table count with this link's (errors, reconnects, reaped)."""
+        c = dict(self.counts)
+        if self.demand is not None:
+            for name in ("errors", "reconnects", "rebuilds", "reaped"):
+                c[name] += self.demand.counts[name]
         return {
             "store_views": c["views"],
             "store_fallbacks": c["fallbacks"],
             "store_errors": c["errors"],
             "store_reconnects": c["reconnects"] + c["rebuilds"],
+            "store_reaped": c["reaped"],
+            "store_rounds_led": c["led"],
+            "store_plans_followed": c["followed"],
+            "store_plans_fenced": c["fenced"],
+            "store_round_fallbacks": c["round_fallbacks"],
         }
 
     def view(self, own: np.ndarray) -> np.ndarray:

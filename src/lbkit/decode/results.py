@@ -76,7 +76,11 @@ class DecodeStatistics:
     :meth:`DecodeBalancer.rebalance` made to free a rank for a refused request; they come first
     in its result and do not count against ``max_moves``). With a store: ``store_views`` (good
     store calls), ``store_fallbacks`` (decisions on the fallback estimate), ``store_errors``
-    (failed calls) and ``store_reconnects`` (whole publishes after a failure or a lost store).
+    (failed calls), ``store_reconnects`` (whole publishes after a failure or a lost store) and
+    the leader's duties (:mod:`lbkit.core.replica`): ``store_reaped`` (silent replicas whose
+    contribution this replica reaped as the holder of the reaper's lease); the round counters
+    ``store_rounds_led``, ``store_plans_followed``, ``store_plans_fenced`` and
+    ``store_round_fallbacks`` are a prefill balancer's (0 here).
     """
 
     num_requests: tuple[int, ...]
@@ -110,6 +114,11 @@ class DecodeStatistics:
     store_fallbacks: int = 0
     store_errors: int = 0
     store_reconnects: int = 0
+    store_reaped: int = 0
+    store_rounds_led: int = 0
+    store_plans_followed: int = 0
+    store_plans_fenced: int = 0
+    store_round_fallbacks: int = 0
 
 
 class Migration(NamedTuple):

@@ -108,7 +108,13 @@ class PrefillStatistics:
     (requests moved between ranks of their engine, :meth:`PrefillBalancer.reassign`). With a
     store: ``store_views`` (good store calls), ``store_fallbacks`` (decisions on the fallback
     estimate), ``store_errors`` (failed calls), ``store_reconnects`` (whole publishes after a
-    failure or a lost store).
+    failure or a lost store) and the leader's duties (:mod:`lbkit.core.replica`):
+    ``store_reaped`` (silent replicas' contributions reaped as the holder of the reaper's
+    lease, counted per table: the load's and the round demand's), ``store_rounds_led`` (rounds
+    planned as the holder of the round's lease), ``store_plans_followed`` (the leader's plans
+    applied), ``store_plans_fenced`` (own plans refused by the fencing epoch: a newer leader
+    exists) and ``store_round_fallbacks`` (rounds planned on this replica's own figures
+    because the store did not answer).
     """
 
     bucket_demand: tuple[float, ...]
@@ -140,3 +146,8 @@ class PrefillStatistics:
     store_fallbacks: int = 0
     store_errors: int = 0
     store_reconnects: int = 0
+    store_reaped: int = 0
+    store_rounds_led: int = 0
+    store_plans_followed: int = 0
+    store_plans_fenced: int = 0
+    store_round_fallbacks: int = 0

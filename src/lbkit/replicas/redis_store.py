@@ -45,12 +45,15 @@ holder (:meth:`RedisStore.acquire_lease`). Each grant takes a new *fencing epoch
 counter ``lbkit:{ns}:epoch:NAME``, and :meth:`RedisStore.write_fenced` applies a write only
 under the latest epoch: a leader that paused past its lease and was replaced finds its late
 writes refused. Followers read the versioned payload with :meth:`RedisStore.read_fenced` and
-apply a version newer than the one they hold.
+apply a version newer than the one they hold. The EPLB scheduler's state goes the same way:
+:meth:`RedisStore.save_eplb` writes :meth:`lbkit.eplb.EplbScheduler.state_dict` under the
+leader's epoch, :meth:`RedisStore.load_eplb` rebuilds the scheduler (a replica taking over the
+lease resumes where the last leader stopped).
 
 Commands: ``EVALSHA``, ``SCRIPT LOAD``, ``TIME``, ``GET``, ``SET``, ``INCR``, ``PEXPIRE``,
 ``STRLEN``, ``BITFIELD``, ``HGET``, ``HMGET``, ``HSET``, ``HDEL``, ``HINCRBY``, ``HKEYS``,
-``SADD``, ``SREM``, ``SMEMBERS``, ``DEL``, ``PUBLISH``, ``SUBSCRIBE``, all in Redis 6.2 and
-Valkey.
+``SADD``, ``SREM``, ``SMEMBERS``, ``DEL``, ``SCAN``, ``PUBLISH``, ``SUBSCRIBE``, all in Redis
+6.2 and Valkey.
 
 Every call has a time budget (``budget_s``: socket connect and read timeouts, no retries but
 one on a connection found broken); a call that fails or exceeds it raises
@@ -59,6 +62,7 @@ one on a connection found broken); a call that fails or exceeds it raises
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
@@ -85,9 +89,16 @@ _TABLES = ("decode", "prefill", "prefill-demand")
 DEFAULT_LEASE_S = 10.0
 #: Default seconds of silence after which a replica is reaped.
 DEFAULT_REAP_AFTER_S = 30.0
+#: Keys a ``SCAN`` of :meth:`RedisStore.clear` asks for at once.
+CLEAR_BATCH = 1000
 #: Publishes in flight from which a call reads the replies that have come (fewer reads, each
 #: of many replies at once; a refused publish shows within this many calls).
 POLL_PENDING = 8
+
+
+def _glob_escape(text: str) -> bytes:
+    """``text`` as a ``SCAN MATCH`` pattern that matches it literally."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text).encode()
 
 
 def _name_iv(value: Any, name: str) -> str:
@@ -142,6 +153,9 @@ class RedisStore:
 
     Runtime complexity: a view is one round trip (none with ``mirror``), a publish none (it is
     pipelined); the server's work is O(published fields + fields of the table).
+
+    A store holds connections until :meth:`close`; ``with RedisStore(...) as store:`` closes
+    it at the end of the block.
     """
 
     def __init__(
@@ -345,6 +359,35 @@ class RedisStore:
             return None
         return int(got[0]), int(got[1]), got[2].decode()
 
+    # ------------------------------------------------------------------ EPLB state
+    def save_eplb(self, name: str, epoch: int, scheduler: Any) -> int:
+        """Save ``scheduler``'s state (:meth:`lbkit.eplb.EplbScheduler.state_dict`, as JSON)
+        under lease ``name`` if ``epoch`` is the latest granted (:meth:`write_fenced`): the
+        new version, or -1 for a refused write (a newer leader exists).
+
+        Raises
+        ------
+        TypeError
+            ``scheduler`` is not an :class:`lbkit.eplb.EplbScheduler`.
+        """
+        from lbkit.eplb import EplbScheduler
+
+        if not isinstance(scheduler, EplbScheduler):
+            raise TypeError(f"scheduler: must be an EplbScheduler, got {type(scheduler).__name__}")
+        return self.write_fenced(name, epoch, json.dumps(scheduler.state_dict()))
+
+    def load_eplb(self, name: str) -> tuple[int, int, Any] | None:
+        """``(epoch, version, scheduler)`` of the last state saved under lease ``name`` by
+        :meth:`save_eplb`, the scheduler rebuilt by
+        :meth:`lbkit.eplb.EplbScheduler.from_state_dict` (``None``: none saved yet)."""
+        from lbkit.eplb import EplbScheduler
+
+        got = self.read_fenced(name)
+        if got is None:
+            return None
+        epoch, version, payload = got
+        return epoch, version, EplbScheduler.from_state_dict(json.loads(payload))
+
     # ------------------------------------------------------------------ inspection
     def totals(self, key: str, size: int) -> np.ndarray:
         """Totals of table ``key`` (``"decode"`` or ``"prefill"``), ``size`` int64 fields."""
@@ -360,20 +403,34 @@ class RedisStore:
         }
 
     def clear(self) -> None:
-        """Delete every key of this namespace's tables (for tests and a fresh start), and
-        announce it to the mirrors."""
+        """Delete every key of this namespace (tables, leases, epochs, fenced payloads; for
+        tests and a fresh start), and announce it to the mirrors.
+
+        Runtime complexity: the server's ``SCAN`` of its keyspace, ``CLEAR_BATCH`` keys a call.
+        """
+        pattern = _glob_escape(f"lbkit:{{{self.namespace}}}:") + b"*"
+        cursor = b"0"
+        while True:
+            cursor, keys = self._pipe.command(
+                "SCAN", cursor, "MATCH", pattern, "COUNT", CLEAR_BATCH
+            )
+            if keys:
+                self._pipe.command("DEL", *keys)
+            if cursor == b"0":
+                break
         for table in _TABLES:
-            names = set(self._pipe.command("HKEYS", self._key(table, "seen")))
-            names |= set(self._pipe.command("SMEMBERS", self._key(table, "replicas")))
-            names |= set(self._pipe.command("HKEYS", self._key(table, "ver")))
-            keys = [self._key(table, p) for p in ("tot", "ver", "replicas", "seen", "seq")]
-            keys += [self._key(table, f"c:{m.decode()}") for m in names]
-            self._pipe.command("DEL", *keys)
             self._pipe.command("PUBLISH", self._channel(table), b"0||")
 
     def close(self) -> None:
-        """Wait for the publishes in flight (best effort) and close the connections."""
+        """Wait for the publishes in flight (best effort) and close the connections (a store
+        closed may be used again: it connects anew)."""
         self._pipe.close()
         if self._mirror is not None:
             self._mirror.close()
         self._client.close()
+
+    def __enter__(self) -> RedisStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
