@@ -55,6 +55,12 @@ TABLE_SCRIPTS = (
     ("EPLB re-planning under drift", "eplb_drift.py", (), "eplb_drift.json"),
     ("EPLB cold start", "cold_start.py", ("--inline",), "cold_start.json"),
     (
+        "EPLB cold start: the first re-plan",
+        "cold_start.py",
+        ("--replan-only",),
+        "cold_start_replan.json",
+    ),
+    (
         "Decode balance on synthetic streams",
         "bench_decode.py",
         ("--seeds", "10"),
