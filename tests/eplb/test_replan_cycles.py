@@ -1,4 +1,4 @@
-"""Exchange cycles of the re-planning kernel (``_replan_cycles._cycles``): replica counts kept,
+"""Exchange cycles of the re-planning kernel (``_replan_cycles.cycles``): replica counts kept,
 GPUs at or below the target stay there, GPUs above it that change end at or below it, moves as
 counted by brute force, never below the fixed-count lower bound on moves (``H + k``: GPUs above
 the target plus the fewest light GPUs whose room covers the excess), checked against an
@@ -80,7 +80,7 @@ def fewest_moves(size, gpu_exp, target):
 @given(states())
 def test_cycles_keep_counts_and_never_raise_a_gpu_above_the_target(state):
     w, size, gpu_exp, target = state
-    exp, load, moves = _run(K._cycles, size, gpu_exp, target)
+    exp, load, moves = _run(K.cycles, size, gpu_exp, target)
     tol = 1e-12 * target
     assert np.array_equal(np.sort(exp.ravel()), np.sort(gpu_exp.ravel()))
     before = size[gpu_exp].sum(axis=1)
@@ -95,7 +95,7 @@ def test_cycles_keep_counts_and_never_raise_a_gpu_above_the_target(state):
     # the fixed-count bound holds for what the cycles reached
     if (load <= target + 1e4 * tol).all():
         assert moves >= fixed_count_bound(before, target)
-    exp2, _, moves2 = _run(K._cycles.py_func, size, gpu_exp, target)
+    exp2, _, moves2 = _run(K.cycles.py_func, size, gpu_exp, target)
     assert moves2 == moves and np.array_equal(exp2, exp)
 
 
@@ -108,6 +108,6 @@ def test_fixed_count_bound_against_exhaustive_search(state):
     opt = fewest_moves(size, gpu_exp, target)
     before = size[gpu_exp].sum(axis=1)
     assert fixed_count_bound(before, target) <= opt
-    _, load, moves = _run(K._cycles, size, gpu_exp, target)
+    _, load, moves = _run(K.cycles, size, gpu_exp, target)
     if (load <= target * (1 + 1e-9)).all():
         assert moves >= opt

@@ -71,7 +71,7 @@ def test_the_choice_is_the_fewest_moves_over_old_and_matched_rows(case):
     w, old = w[:layers], old[:layers]
     with first_call():
         res = replan_experts(w, old, r, k, n, g, policy=policy)
-    args = replan._replan_iv(w, old, r, k, n, g, policy, None, None, 0.01, 0.1)
+    args = replan.replan_iv(w, old, r, k, n, g, policy, None, None, 0.01, 0.1)
     fresh = rebalance_experts(w, r, k, n, g, policy=policy).phy2log
     fresh_lb = moe_lb(w, fresh, num_gpus=g)
     old_lb = moe_lb(w, old, num_gpus=g)

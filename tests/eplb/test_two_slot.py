@@ -10,10 +10,10 @@ from hypothesis import strategies as st
 
 from lbkit.eplb import _primitives, _two_slot, lower_bound, moe_lb, rebalance_experts
 from lbkit.eplb._reference import (
-    _two_slot_optimum,
     optimal_two_slot,
     pairing_max_load,
     two_slot_feasible,
+    two_slot_optimum,
 )
 
 from .strategies import loads
@@ -65,7 +65,7 @@ def test_optimal_two_slot_matches_enumeration(case):
     assert counts.sum() == 2 * gpus and (counts >= 1).all()
     assert pairing_max_load(w, counts) == pytest.approx(best, rel=1e-12, abs=1e-12)
     assert low <= best
-    exact = _two_slot_optimum(w, gpus, None)
+    exact = two_slot_optimum(w, gpus, None)
     assert best == pytest.approx(exact, rel=1e-8, abs=1e-9)
 
 

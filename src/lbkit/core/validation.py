@@ -22,6 +22,7 @@ __all__ = [
     "check_int",
     "check_int_list",
     "check_real",
+    "set_rng_state",
     "to_numpy",
 ]
 
@@ -335,3 +336,24 @@ def as_rng(rng: Any, name: str = "rng") -> np.random.Generator:
     if isinstance(rng, bool) or not isinstance(rng, numbers.Integral) or rng < 0:
         raise TypeError(f"{name}: must be a numpy Generator, a non-negative int seed or None")
     return np.random.default_rng(int(rng))
+
+
+def set_rng_state(rng: np.random.Generator, saved: Any, name: str = "state.rng") -> None:
+    """Set ``rng`` to a saved ``bit_generator.state`` (a balancer's ``from_state_dict``).
+
+    Raises ``ValueError`` naming ``name`` when the saved state is not one of this bit generator
+    or numpy does not keep it as given.
+
+    Examples
+    --------
+    >>> a, b = as_rng(1), as_rng(2)
+    >>> set_rng_state(b, a.bit_generator.state)
+    >>> float(a.random()) == float(b.random())
+    True
+    """
+    try:
+        rng.bit_generator.state = saved
+    except (TypeError, ValueError, KeyError, OverflowError) as exc:
+        raise ValueError(f"{name}: not a numpy bit generator state ({exc})") from None
+    if rng.bit_generator.state != saved:
+        raise ValueError(f"{name}: numpy does not keep this bit generator state as given")

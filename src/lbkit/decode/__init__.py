@@ -13,7 +13,9 @@ count ``B`` and its KV tokens ``S``. Pure decision functions (numpy in, NamedTup
 :class:`DecodeBalancer` (``balancer.py``) embeds them in a router: admission with capacities,
 KV growth, release, ranks out of service, engine-report reconciliation, look-ahead, migration
 (``rebalance``: by default room for a refused request and one balance move), persistence, and
-the load of other router replicas (``set_foreign_load``, :mod:`lbkit.decode.foreign`).
+the load of other router replicas (``set_foreign_load``, :mod:`lbkit.decode.foreign`). Its
+migration, service and report methods are in ``control.py``, its saved states in
+``persistence.py``, its ledger in ``ledger.py``.
 Reason codes of every decision are documented in :mod:`lbkit.decode.reasons`.
 """
 

@@ -9,24 +9,18 @@ the policy kernel of :mod:`lbkit.decode.policies`:
 - **step** grows KV: one token per running request, or the tokens the caller reports per rank or
   per request;
 - **finish / abort** release a request;
-- **drain_rank / remove_rank / restore_rank** take a rank out of service (draining: no new work;
-  removed: its requests are handed back to the caller, none lost) and back;
-- **report** reconciles the ledger with an engine's per-rank load report (see below);
 - **set_foreign_load** adds the load other routers placed on the ranks (see below);
-- **statistics / _check / state_dict / from_state_dict**.
+- **statistics / _check**;
+- in ``control.py`` (:class:`~lbkit.decode.control.RankControl`, which the class inherits):
+  **migrate / rebalance** move running requests; **drain_rank / remove_rank / restore_rank**
+  take a rank out of service (draining: no new work; removed: its requests are handed back to
+  the caller, none lost) and back; **report** reconciles the ledger with an engine's per-rank
+  load report (the *Reconciliation rule* is documented there);
+- in ``persistence.py`` (:class:`~lbkit.decode.persistence.Persistent`, inherited too):
+  **state_dict / from_state_dict** and pickling.
 
 Capacities bound admission only: KV growth in :meth:`DecodeBalancer.step` may take a rank past
 ``max_kv_tokens`` (the engine then preempts; :class:`DecodeStatistics` counts such ranks).
-
-Reconciliation rule
--------------------
-An engine reports, per rank, ``(sequence number, requests, KV tokens)``. A report whose sequence
-number is not newer than the rank's last accepted one is stale and ignored. Otherwise the drift
-(reported minus ledger, for requests and for KV tokens) is recorded. The request count is never
-corrected: the router sees every admission and release, and a mismatch means the engine's
-snapshot and the ledger see different request sets (requests in flight). When the counts agree
-and the rank holds requests, the ledger's KV becomes the reported KV, spread over the requests
-in proportion (:mod:`lbkit.decode.ledger`, *Reconciliation rule*).
 
 Foreign load
 ------------
@@ -57,19 +51,17 @@ from typing import Any
 import numpy as np
 
 from lbkit.core.cost import DecodeCost
-from lbkit.core.engines import ACTIVE as _ACTIVE
-from lbkit.core.engines import DRAINING as _DRAINING
-from lbkit.core.engines import OUT as _OUT
-from lbkit.core.engines import STATE_NAMES as _STATE_NAMES
+from lbkit.core.engines import ACTIVE, OUT, STATE_NAMES
 from lbkit.core.metrics import max_over_mean
 from lbkit.core.replica import ReplicaLink, Store, replica_id_iv
 from lbkit.core.validation import as_int_array, as_rng, check_choice, check_int, to_numpy
 from lbkit.decode import _kernels as K
 from lbkit.decode._state import DEFAULT_COST, capacity_iv, params
+from lbkit.decode.control import RankControl
 from lbkit.decode.foreign import ForeignLoad, foreign_iv
 from lbkit.decode.ledger import EXPECT, GEN, KV, MAX_RANK_TOKENS, MAX_TOKENS, ORDER, RANK, Ledger
-from lbkit.decode.migration import MIGRATION_SOURCES, ROOM_MAX_MOVES, plan_on, room_on
-from lbkit.decode.persistence import COST_FIELDS, STATE_VERSION, caps_list, read_config, read_state
+from lbkit.decode.migration import MIGRATION_SOURCES
+from lbkit.decode.persistence import Persistent
 from lbkit.decode.policies import DEFAULT_POLICY, POLICIES, POLICY_CODES, Decision
 from lbkit.decode.reasons import BATCH_FULL, FULL, KV_FULL, PLACED, REASONS
 from lbkit.decode.results import (
@@ -95,12 +87,8 @@ _REFUSED = tuple(Decision(-1, reason) for reason in REASONS)
 _NO_ROOM = frozenset(REASONS.index(r) for r in (BATCH_FULL, KV_FULL, FULL))
 #: Default moves per :meth:`DecodeBalancer.rebalance` that lower the balance objective.
 DEFAULT_MAX_MIGRATIONS = 1
-#: Steps of KV growth kept free on a rank freed for a waiting request.
-ROOM_GROW_STEPS = 4
 #: Largest look-ahead, decode steps (projected KV sums stay exact).
 MAX_LOOKAHEAD_STEPS = 2**20
-#: Largest sequence number and request count of a report (int64).
-MAX_SEQ = 2**63 - 1
 #: Admissions of more KV tokens check that no rank can pass ``MAX_RANK_TOKENS``; below it a
 #: rank would need more than 2**31 requests (``step`` checks growth itself).
 ADMIT_CHECK_TOKENS = 2**22
@@ -115,7 +103,7 @@ def _request_id(request_id: Any) -> Hashable:
     return request_id
 
 
-class DecodeBalancer:
+class DecodeBalancer(RankControl, Persistent):
     """Stateful decode balancer over the ``num_ranks`` ranks of one engine.
 
     Parameters
@@ -507,245 +495,13 @@ class DecodeBalancer:
         self._counts["steps"] += 1
         self._push()
 
-    # ------------------------------------------------------------------ migration
-    def migrate(self, request_id: Hashable, rank: int) -> int:
-        """Move a running request (with its KV) to ``rank``; returns the rank it left.
-
-        Its age, generated and expected tokens stay; look-ahead projections follow it.
-
-        Raises
-        ------
-        KeyError
-            Unknown request.
-        ValueError
-            ``rank`` unknown, not active, the request's own rank, or without room for it
-            (``max_batch``, ``max_kv_tokens``). Nothing changes then.
-
-        Runtime complexity: O(1).
-        """
-        slot = self._L.slot_of(request_id)
-        rank = self._rank_iv(rank)
-        s, X = self._L.slots, self._L.X
-        a = int(s[RANK, slot])
-        kv = int(s[KV, slot])
-        if rank == a:
-            raise ValueError(f"rank: request {request_id!r} already runs on rank {rank}")
-        if self._state[rank] != _ACTIVE:
-            raise ValueError(f"rank: {rank} is {_STATE_NAMES[self._state[rank]]}, not active")
-        if X[K.ROW_B, rank] + 1 > X[K.ROW_CAP_B, rank]:
-            raise ValueError(f"rank: {rank} is at max_batch ({int(X[K.ROW_CAP_B, rank])})")
-        if X[K.ROW_S, rank] + kv > X[K.ROW_CAP_S, rank]:
-            raise ValueError(
-                f"rank: {rank} has no room for {kv} KV tokens (max_kv_tokens "
-                f"{int(X[K.ROW_CAP_S, rank])})"
-            )
-        self._move(slot, rank)
-        self._push()
-        return a
-
-    def _move(self, slot: int, rank: int) -> None:
-        """Move the request in ``slot`` to ``rank`` in the ledger (checked by the caller)."""
-        self._L.move(slot, rank)
-        self._counts["migrated"] += 1
-
-    def rebalance(self, max_moves: int | None = None) -> tuple[Migration, ...]:
-        """Migrate running requests: room for a waiting request, then moves towards balance.
-
-        1. *Room* (with ``make_room``): when an admission was refused for lack of room
-           (``batch_full``, ``kv_full``, ``full``) and no request has been admitted since, the
-           moves of :func:`lbkit.decode.migration.plan_room` that free one active rank for that
-           request (each moved request goes where the admission rule places it among the other
-           active ranks; ``ROOM_GROW_STEPS`` steps of growth kept free; at most
-           ``ROOM_MAX_MOVES``, and none unless they free the rank). Until a request is admitted,
-           that rank receives no balance move.
-        2. *Balance*: up to ``max_moves`` moves of :func:`lbkit.decode.migration.plan_migrations`
-           on the ledger (candidates: ``migration_sources``): every running request may move
-           once, to an active rank with room; requests on draining ranks may leave them.
-
-        The caller transfers each request's KV cache from ``source`` to ``target``. Calling this
-        before every admission is what the defaults are measured with (the class notes).
-
-        Parameters
-        ----------
-        max_moves : int, optional
-            Balance moves (>= 0); default the constructor's ``max_migrations``.
-
-        Returns
-        -------
-        tuple of Migration
-            The moves made, in order (empty when no move is needed).
-
-        Runtime complexity: balance moves ``O(moves * (requests + B * ranks))`` (``B`` requests
-        on the heaviest rank; ``O(moves * requests * ranks)`` with ``migration_sources="all"``),
-        room ``O(room moves * (requests + ranks))``; two numba calls.
-
-        Examples
-        --------
-        A long request leaves rank 1; a short request of rank 0 takes its place:
-
-        >>> bal = DecodeBalancer(2, policy="sum_of_squares")
-        >>> for i, kv in enumerate([5000, 5000, 100, 100, 100, 100]):
-        ...     _ = bal.admit(i, kv)
-        >>> bal.finish(1)
-        1
-        >>> bal.num_requests().tolist(), bal.kv_tokens().tolist()
-        ([3, 2], [5200, 200])
-        >>> bal.rebalance(4)
-        (Migration(request_id=2, source=0, target=1, kv_tokens=100),)
-        >>> bal.num_requests().tolist(), bal.kv_tokens().tolist()
-        ([2, 3], [5100, 300])
-
-        Two ranks of 1,000 tokens hold 550 and 500: a request of 600 fits neither, though they
-        have 950 free together. Rank 1 sends away its smallest request that frees enough:
-
-        >>> bal = DecodeBalancer(2, max_kv_tokens=1000, max_migrations=0)
-        >>> [bal.admit(i, kv).rank for i, kv in enumerate([400, 300, 200, 150])]
-        [0, 1, 1, 0]
-        >>> bal.kv_tokens().tolist(), bal.admit("long", 600)
-        ([550, 500], Decision(rank=-1, reason='kv_full'))
-        >>> bal.rebalance()
-        (Migration(request_id=2, source=1, target=0, kv_tokens=200),)
-        >>> bal.admit("long", 600)
-        Decision(rank=1, reason='placed')
-        """
-        moves = (
-            self._max_moves if max_moves is None else check_int(max_moves, "max_moves", min_value=0)
-        )
-        used = np.flatnonzero(self._L.slots[RANK] < self._n)
-        if not len(used):
-            return ()
-        if self._link is not None:
-            self._pull()
-        out: list[Migration] = []
-        reserved = -1
-        released = self._counts["finished"] + self._counts["aborted"] + self._counts["handed_back"]
-        if self._make_room and self._room is not None and released != self._room_failed:
-            X = self._L.X.copy()
-            rank = self._L.slots[RANK, used]  # a copy (fancy indexing)
-            room = room_on(
-                rank, self._L.slots[KV, used].astype(np.float64), X, self._room[1], self._P,
-                ROOM_GROW_STEPS, ROOM_MAX_MOVES,
-            )  # fmt: skip
-            if room.complete:
-                reserved = room.rank
-                for i, dst in zip(room.request.tolist(), room.target.tolist(), strict=True):
-                    out.append(self._moved(int(used[i]), dst))
-                self._counts["migrated_for_room"] += len(room.request)
-            else:  # no room to be made until a request leaves
-                self._room_failed = released
-        if moves:
-            X = self._L.X.copy()
-            if reserved >= 0:
-                X[K.ROW_OK, reserved] = 0.0
-            # The ledger is the plan's state matrix: counts, KV, capacities, eligibility.
-            plan = plan_on(
-                self._L.slots[RANK, used], self._L.slots[KV, used].astype(np.float64), X, moves,
-                self._sources == "heaviest", False,
-            )  # fmt: skip
-            for i, dst in zip(plan.request.tolist(), plan.target.tolist(), strict=True):
-                out.append(self._moved(int(used[i]), dst))
-        if out:
-            self._push()
-        return tuple(out)
-
-    def _moved(self, slot: int, rank: int) -> Migration:
-        """Move the request in ``slot`` to ``rank``; the :class:`Migration` record."""
-        m = Migration(self._L.rid_of[slot], int(self._L.slots[RANK, slot]), rank,
-                      int(self._L.slots[KV, slot]))  # fmt: skip
-        self._move(slot, rank)
-        return m
-
-    # ------------------------------------------------------------------ service
-    def drain_rank(self, rank: int) -> None:
-        """Stop placing new requests on ``rank``; its running requests continue.
-
-        Raises ``ValueError`` for an unknown rank or one that is not active.
-        """
-        rank = self._rank_iv(rank)
-        if self._state[rank] != _ACTIVE:
-            raise ValueError(f"rank: {rank} is {_STATE_NAMES[self._state[rank]]}, not active")
-        self._state[rank] = _DRAINING
-        self._L.X[K.ROW_OK, rank] = 0.0
-
-    def remove_rank(self, rank: int) -> RemovedRequests:
-        """Take ``rank`` out of service and hand its requests back (oldest first).
-
-        The returned requests are released from the ledger (counted as handed back); the caller
-        re-admits them, e.g. with their current KV tokens. Raises ``ValueError`` for an unknown
-        rank or one already out of service.
-        """
-        rank = self._rank_iv(rank)
-        if self._state[rank] == _OUT:
-            raise ValueError(f"rank: {rank} is already out of service")
-        idx = self._L.slots_on(rank)
-        ids = tuple(self._L.rid_of[i] for i in idx)
-        kv = tuple(self._L.slots[KV, idx].tolist())
-        for i in idx.tolist():
-            self._L.release(i)
-        self._state[rank] = _OUT
-        self._L.X[K.ROW_OK, rank] = 0.0
-        self._counts["handed_back"] += len(ids)
-        self._push()
-        return RemovedRequests(ids, kv)
-
-    def restore_rank(self, rank: int) -> None:
-        """Put a draining or removed rank back into service. ``ValueError`` if it is active."""
-        rank = self._rank_iv(rank)
-        if self._state[rank] == _ACTIVE:
-            raise ValueError(f"rank: {rank} is already active")
-        self._state[rank] = _ACTIVE
-        self._L.X[K.ROW_OK, rank] = 1.0
-
-    # ------------------------------------------------------------------ reports
-    def report(self, rank: int, seq: int, num_requests: int, kv_tokens: int) -> ReportResult:
-        """Reconcile the ledger with an engine's load report for ``rank``.
-
-        See the module documentation for the rule: stale reports (``seq`` not newer than the
-        last accepted) are ignored; drift is always measured; KV is corrected only when the
-        request counts agree. The report is of the whole rank: with a foreign load, drift is
-        against the ledger plus the foreign load, and a correction gives the own requests the
-        reported KV minus the foreign KV.
-
-        Raises
-        ------
-        ValueError, TypeError
-            Unknown rank, negative sequence number, requests or tokens (nothing changes).
-
-        Runtime complexity: O(requests on the rank) when correcting, else O(1).
-        """
-        rank = self._rank_iv(rank)
-        seq = check_int(seq, "seq", min_value=0, max_value=MAX_SEQ)
-        got_b = check_int(num_requests, "num_requests", min_value=0, max_value=MAX_SEQ)
-        got_s = check_int(kv_tokens, "kv_tokens", min_value=0, max_value=MAX_TOKENS)
-        c = self._counts
-        if seq <= self._seq[rank]:
-            c["reports_stale"] += 1
-            return ReportResult(False, False, 0, 0)
-        self._seq[rank] = seq
-        fb, fs = int(self._L.fb[rank]), int(self._L.fs[rank])
-        have_b = int(self._L.X[K.ROW_B, rank])
-        have_s = int(self._L.X[K.ROW_S, rank])
-        db, ds = got_b - have_b, got_s - have_s
-        c["reports_accepted"] += 1
-        c["drift_requests_last"] = db
-        c["drift_kv_tokens_last"] = ds
-        c["drift_requests_max"] = max(c["drift_requests_max"], abs(db))
-        c["drift_kv_tokens_max"] = max(c["drift_kv_tokens_max"], abs(ds))
-        c["drift_kv_tokens_total"] += abs(ds)
-        if db != 0 or have_b == fb or ds == 0 or got_s < fs:
-            return ReportResult(True, False, db, ds)
-        self._L.reconcile(rank, got_s - fs)  # the own requests' part of the reported KV
-        c["reports_corrected"] += 1
-        self._push()
-        return ReportResult(True, True, db, ds)
-
     # ------------------------------------------------------------------ introspection
     def statistics(self) -> DecodeStatistics:
         """A snapshot of per-rank load, balance and counters (see :class:`DecodeStatistics`)."""
         L = self._L
         tb = L.X[K.ROW_B].astype(np.int64)
         ts = L.X[K.ROW_S].astype(np.int64)
-        live = self._state != _OUT
+        live = self._state != OUT
         if live.any():
             count_imb = float(max_over_mean(tb[live].astype(np.float64)))
             kv_imb = float(max_over_mean(ts[live].astype(np.float64)))
@@ -756,7 +512,7 @@ class DecodeBalancer:
         return DecodeStatistics(
             num_requests=tuple((tb - L.fb).tolist()),
             kv_tokens=tuple((ts - L.fs).tolist()),
-            rank_state=tuple(_STATE_NAMES[x] for x in self._state.tolist()),
+            rank_state=tuple(STATE_NAMES[x] for x in self._state.tolist()),
             count_imbalance=count_imb,
             kv_imbalance=kv_imb,
             step_time_s=step,
@@ -782,109 +538,12 @@ class DecodeBalancer:
         L.check()
         used = L.used()
         assert (L.slots[ORDER, used] < self._order).all(), "admission number from the future"
-        assert (L.X[K.ROW_OK] == (self._state == _ACTIVE)).all(), "eligibility is stale"
+        assert (L.X[K.ROW_OK] == (self._state == ACTIVE)).all(), "eligibility is stale"
         own_b = L.own()[0]
-        assert not (own_b[self._state == _OUT]).any(), "a rank out of service holds requests"
+        assert not (own_b[self._state == OUT]).any(), "a rank out of service holds requests"
         assert 0 <= self._cursor < self._n
         c = self._counts
         assert self._order == len(L.ids) + c["finished"] + c["aborted"] + c["handed_back"], (
             "admitted requests are not all running, finished, aborted or handed back"
         )
         assert self._refused[0] == 0
-
-    # ------------------------------------------------------------------ persistence
-    def state_dict(self) -> dict[str, Any]:
-        """The configuration and state as JSON-serialisable plain types.
-
-        :meth:`from_state_dict` of the result continues exactly where this balancer stands
-        (decisions, reports, counters and the random policy's rng). ``pickle`` and ``copy``
-        go through it too (a balancer with a store is not picklable: save its state and pass
-        the store to :meth:`from_state_dict`).
-        """
-        L = self._L
-        return {
-            "version": STATE_VERSION,
-            "config": {
-                "num_ranks": self._n,
-                "policy": self._policy,
-                "max_batch": caps_list(L.X[K.ROW_CAP_B]),
-                "max_kv_tokens": caps_list(L.X[K.ROW_CAP_S]),
-                "scale": self._scale,
-                "cost": {f: getattr(self._cost, f) for f in COST_FIELDS},
-                "lookahead_steps": self._h,
-                "max_migrations": self._max_moves,
-                "make_room": self._make_room,
-                "migration_sources": self._sources,
-            },
-            "state": {
-                "rank_state": self._state.tolist(),
-                "seq": self._seq.tolist(),
-                "cursor": self._cursor,
-                "order": self._order,
-                "requests": [[L.rid_of[i], *L.slots[:, i].tolist()] for i in L.by_age()],
-                "refused": list(self._refused),
-                "counts": dict(self._counts),
-                "rng": self._rng.bit_generator.state,
-                "room": None if self._room is None else list(self._room),
-                "foreign": [L.fb.tolist(), L.fs.tolist()],
-            },
-        }
-
-    def __reduce__(self) -> tuple[Any, tuple[dict[str, Any]]]:
-        if self._link is not None:
-            raise TypeError(
-                "DecodeBalancer: a balancer with a store cannot be pickled; pickle its "
-                "state_dict() and pass store= and replica_id= to from_state_dict"
-            )
-        return (type(self).from_state_dict, (self.state_dict(),))
-
-    @classmethod
-    def from_state_dict(
-        cls, state: Mapping[str, Any], *, store: Store | None = None, replica_id: str | None = None
-    ) -> DecodeBalancer:
-        """Rebuild a balancer from :meth:`state_dict` output (e.g. after ``json.loads``).
-
-        With ``store`` and ``replica_id`` (not saved in a state) the rebuilt balancer is that
-        replica again: it publishes its whole ledger before it returns.
-
-        Raises
-        ------
-        ValueError
-            Unknown version, or a field out of its rules or inconsistent with the others,
-            named (:func:`lbkit.decode.persistence.read_state`); every check is an explicit
-            ``if``, so ``python -O`` checks the same.
-        """
-        me = replica_id_iv(store, replica_id)
-        cfg, caps = read_config(state)
-        try:
-            bal = cls(**cfg)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"state.config: {exc}") from None
-        n = bal._n
-        s = read_state(state.get("state"), n)
-        L = bal._L
-        for key, row in (("max_batch", K.ROW_CAP_B), ("max_kv_tokens", K.ROW_CAP_S)):
-            if caps[key] is not None:
-                L.X[row] = caps[key]
-        bal._state = s["rank_state"]
-        L.X[K.ROW_OK] = bal._state == _ACTIVE
-        bal._seq = s["seq"]
-        bal._cursor = s["cursor"]
-        bal._order = s["order"]
-        for rid, rank, kv, gen, expect, order in s["requests"]:
-            L.insert(rid, rank, kv, gen, expect, order)
-        if s["foreign"] is not None:
-            L.set_foreign(s["foreign"].num_requests, s["foreign"].kv_tokens)
-        L.reproject()
-        bal._refused = s["refused"]
-        bal._counts = s["counts"]
-        try:
-            bal._rng.bit_generator.state = s["rng"]
-        except (TypeError, ValueError, KeyError, OverflowError) as exc:
-            raise ValueError(f"state.rng: not a numpy bit generator state ({exc})") from None
-        if bal._rng.bit_generator.state != s["rng"]:
-            raise ValueError("state.rng: numpy does not keep this bit generator state as given")
-        bal._room = s["room"]
-        if me is not None:
-            bal._attach(store, me)
-        return bal

@@ -7,24 +7,30 @@ field before the balancer trusts it: a ``ValueError`` names the field (``state.r
 ...) and the rule it breaks, including the consistency of the parts (each request on a rank in
 service, every rank's KV within the ledger's exact range, the counters adding up). Nothing here
 relies on ``assert``, which ``python -O`` drops.
+
+:class:`Persistent` holds the balancer's :meth:`~Persistent.state_dict` and
+:meth:`~Persistent.from_state_dict` (and pickling through them), which
+:class:`~lbkit.decode.DecodeBalancer` inherits.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Hashable, Mapping
+from typing import Any, Self
 
 import numpy as np
 
 from lbkit.core.cost import DecodeCost
-from lbkit.core.engines import OUT
-from lbkit.core.validation import check_int, check_int_list
+from lbkit.core.engines import ACTIVE, OUT
+from lbkit.core.replica import ReplicaLink, Store, replica_id_iv
+from lbkit.core.validation import check_int, check_int_list, set_rng_state
+from lbkit.decode import _kernels as K
 from lbkit.decode.foreign import foreign_iv
-from lbkit.decode.ledger import MAX_RANK_TOKENS, MAX_TOKENS
+from lbkit.decode.ledger import MAX_RANK_TOKENS, MAX_TOKENS, Ledger
 from lbkit.decode.reasons import REASONS
 from lbkit.decode.results import COUNTERS
 
-__all__ = ["COST_FIELDS", "STATE_VERSION", "caps_list", "read_config", "read_state"]
+__all__ = ["COST_FIELDS", "STATE_VERSION", "Persistent", "caps_list", "read_config", "read_state"]
 
 #: Version of :meth:`DecodeBalancer.state_dict`.
 STATE_VERSION = 1
@@ -201,3 +207,122 @@ def read_state(s: Any, n: int) -> dict[str, Any]:
         "order": order, "requests": requests, "refused": refused, "counts": counts,
         "rng": _mapping(s.get("rng"), "state.rng"), "room": room, "foreign": foreign,
     }  # fmt: skip
+
+
+class Persistent:
+    """The saving and restoring methods of :class:`~lbkit.decode.DecodeBalancer`, which
+    inherits them: :meth:`state_dict`, :meth:`from_state_dict` and pickling through them.
+
+    Not used on its own: it reads and sets the state the balancer's ``__init__`` sets, declared
+    here (and calls its ``_attach``).
+    """
+
+    _n: int
+    _policy: str
+    _scale: str
+    _cost: DecodeCost
+    _h: int
+    _max_moves: int
+    _make_room: bool
+    _sources: str
+    _rng: np.random.Generator
+    _L: Ledger
+    _state: np.ndarray
+    _seq: np.ndarray
+    _cursor: int
+    _order: int
+    _refused: list[int]
+    _counts: dict[str, int]
+    _room: tuple[Hashable, int] | None
+    _link: ReplicaLink | None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The configuration and state as JSON-serialisable plain types.
+
+        :meth:`from_state_dict` of the result continues exactly where this balancer stands
+        (decisions, reports, counters and the random policy's rng). ``pickle`` and ``copy``
+        go through it too (a balancer with a store is not picklable: save its state and pass
+        the store to :meth:`from_state_dict`).
+        """
+        L = self._L
+        return {
+            "version": STATE_VERSION,
+            "config": {
+                "num_ranks": self._n,
+                "policy": self._policy,
+                "max_batch": caps_list(L.X[K.ROW_CAP_B]),
+                "max_kv_tokens": caps_list(L.X[K.ROW_CAP_S]),
+                "scale": self._scale,
+                "cost": {f: getattr(self._cost, f) for f in COST_FIELDS},
+                "lookahead_steps": self._h,
+                "max_migrations": self._max_moves,
+                "make_room": self._make_room,
+                "migration_sources": self._sources,
+            },
+            "state": {
+                "rank_state": self._state.tolist(),
+                "seq": self._seq.tolist(),
+                "cursor": self._cursor,
+                "order": self._order,
+                "requests": [[L.rid_of[i], *L.slots[:, i].tolist()] for i in L.by_age()],
+                "refused": list(self._refused),
+                "counts": dict(self._counts),
+                "rng": self._rng.bit_generator.state,
+                "room": None if self._room is None else list(self._room),
+                "foreign": [L.fb.tolist(), L.fs.tolist()],
+            },
+        }
+
+    def __reduce__(self) -> tuple[Any, tuple[dict[str, Any]]]:
+        if self._link is not None:
+            raise TypeError(
+                "DecodeBalancer: a balancer with a store cannot be pickled; pickle its "
+                "state_dict() and pass store= and replica_id= to from_state_dict"
+            )
+        return (type(self).from_state_dict, (self.state_dict(),))
+
+    @classmethod
+    def from_state_dict(
+        cls, state: Mapping[str, Any], *, store: Store | None = None, replica_id: str | None = None
+    ) -> Self:
+        """Rebuild a balancer from :meth:`state_dict` output (e.g. after ``json.loads``).
+
+        With ``store`` and ``replica_id`` (not saved in a state) the rebuilt balancer is that
+        replica again: it publishes its whole ledger before it returns.
+
+        Raises
+        ------
+        ValueError
+            Unknown version, or a field out of its rules or inconsistent with the others,
+            named (:func:`lbkit.decode.persistence.read_state`); every check is an explicit
+            ``if``, so ``python -O`` checks the same.
+        """
+        me = replica_id_iv(store, replica_id)
+        cfg, caps = read_config(state)
+        try:
+            bal = cls(**cfg)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"state.config: {exc}") from None
+        n = bal._n
+        s = read_state(state.get("state"), n)
+        L = bal._L
+        for key, row in (("max_batch", K.ROW_CAP_B), ("max_kv_tokens", K.ROW_CAP_S)):
+            if caps[key] is not None:
+                L.X[row] = caps[key]
+        bal._state = s["rank_state"]
+        L.X[K.ROW_OK] = bal._state == ACTIVE
+        bal._seq = s["seq"]
+        bal._cursor = s["cursor"]
+        bal._order = s["order"]
+        for rid, rank, kv, gen, expect, order in s["requests"]:
+            L.insert(rid, rank, kv, gen, expect, order)
+        if s["foreign"] is not None:
+            L.set_foreign(s["foreign"].num_requests, s["foreign"].kv_tokens)
+        L.reproject()
+        bal._refused = s["refused"]
+        bal._counts = s["counts"]
+        set_rng_state(bal._rng, s["rng"])
+        bal._room = s["room"]
+        if me is not None:
+            bal._attach(store, me)
+        return bal

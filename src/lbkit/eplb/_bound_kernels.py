@@ -9,7 +9,7 @@ import numpy as np
 
 from lbkit.core._jit import entry, jit
 from lbkit.eplb._partition import PARTITION_BUDGET, partition_groups
-from lbkit.eplb._primitives import _argmax
+from lbkit.eplb._primitives import argmax
 
 __all__ = ["lower_bound_layers", "subproblem_bound", "warmup"]
 
@@ -211,7 +211,7 @@ def lower_bound_layers(weight, num_phy, num_groups, num_nodes, num_gpus, out):
                 nload[:] = 0.0
                 for g in range(num_groups):
                     nload[node_of_group[g]] += group_load[g]
-                glob = max(glob, nload[_argmax(nload)] / gpus_per_node)
+                glob = max(glob, nload[argmax(nload)] / gpus_per_node)
             out[layer] = glob
             continue
         # Bound of every subset of groups with `per_node` members, indexed by bit mask.

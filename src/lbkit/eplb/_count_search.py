@@ -10,16 +10,16 @@ import numpy as np
 from lbkit.core._jit import jit
 from lbkit.eplb._bound_kernels import subproblem_bound
 from lbkit.eplb._exact import EXACT_BUDGET, EXACT_MAX_REPLICAS, exact_search
-from lbkit.eplb._packing import _pack, _try_move
+from lbkit.eplb._packing import pack, try_move
 from lbkit.eplb._primitives import (
-    _REL_TOL,
-    _adopt,
-    _argmax,
-    _count_duplicates,
-    _insert_sorted,
-    _plan_loads,
-    _repair_duplicates,
+    REL_TOL,
+    adopt,
     apportion_minmax,
+    argmax,
+    count_duplicates,
+    insert_sorted,
+    plan_loads,
+    repair_duplicates,
 )
 
 __all__ = ["SECOND_RECEIVERS", "SECOND_STARTS", "solve_subproblem"]
@@ -43,7 +43,7 @@ def _count_search(w, num_gpus, slots, max_evals, good_enough, extra_recv, frozen
     gpu_n = np.empty(num_gpus, dtype=np.int64)
     last = np.empty(num_gpus, dtype=np.int64)
     max_iter = 4 * num_phy
-    best = _pack(w, cnt, num_gpus, slots, size, gpu_exp, load, gpu_n, last, max_iter, good_enough)
+    best = pack(w, cnt, num_gpus, slots, size, gpu_exp, load, gpu_n, last, max_iter, good_enough)
     best_load = load.copy()
     trial_cnt = cnt.copy()
     trial_exp = gpu_exp.copy()
@@ -60,7 +60,7 @@ def _count_search(w, num_gpus, slots, max_evals, good_enough, extra_recv, frozen
     while total > 0.0 and num_phy > num_log and evals < max_evals:
         if best <= good_enough:
             break
-        gm = _argmax(best_load)
+        gm = argmax(best_load)
         for e in range(num_log):
             size[e] = w[e] / cnt[e]
         # Receivers: experts on the most loaded GPU (largest replica first), the expert with
@@ -68,36 +68,36 @@ def _count_search(w, num_gpus, slots, max_evals, good_enough, extra_recv, frozen
         nr = 0
         for i in range(slots):
             e = gpu_exp[gm, i]
-            nr = _insert_sorted(recv, nr, slots, e, -size[e], rkey)
+            nr = insert_sorted(recv, nr, slots, e, -size[e], rkey)
         top = 0
         for e in range(1, num_log):
             if size[e] > size[top]:
                 top = e
-        nr = _insert_sorted(recv, nr, rcap, top, np.inf, rkey)
+        nr = insert_sorted(recv, nr, rcap, top, np.inf, rkey)
         nf = 0
         for e in range(num_log):
-            nf = _insert_sorted(fill, nf, 3, e, size[e], fkey)
+            nf = insert_sorted(fill, nf, 3, e, size[e], fkey)
         for k in range(nf):
-            nr = _insert_sorted(recv, nr, rcap, fill[k], np.inf, rkey)
+            nr = insert_sorted(recv, nr, rcap, fill[k], np.inf, rkey)
         for k in range(min(extra_recv, num_log)):
             seen = False
             for a in range(nr):
                 if recv[a] == heavy[k]:
                     seen = True
             if not seen:
-                nr = _insert_sorted(recv, nr, rcap, heavy[k], np.inf, rkey)
+                nr = insert_sorted(recv, nr, rcap, heavy[k], np.inf, rkey)
         # Donors: the four that lose least by giving up a replica, then the experts with two or
         # more replicas on the most loaded GPU (largest replica first), then the largest one.
         nd = 0
         for e in range(num_log):
             if cnt[e] >= 2:
-                nd = _insert_sorted(donors, nd, 4, e, w[e] / (cnt[e] - 1), dkey)
+                nd = insert_sorted(donors, nd, 4, e, w[e] / (cnt[e] - 1), dkey)
         for i in range(slots):
             e = gpu_exp[gm, i]
             if cnt[e] >= 2:
-                nd = _insert_sorted(donors, nd, dcap, e, np.inf, dkey)
+                nd = insert_sorted(donors, nd, dcap, e, np.inf, dkey)
         if cnt[top] >= 2:
-            nd = _insert_sorted(donors, nd, dcap, top, np.inf, dkey)
+            nd = insert_sorted(donors, nd, dcap, top, np.inf, dkey)
         improved = False
         for a in range(nr):
             for b in range(nd):
@@ -111,7 +111,7 @@ def _count_search(w, num_gpus, slots, max_evals, good_enough, extra_recv, frozen
                         trial_cnt[e] = cnt[e]
                     trial_cnt[recv[a]] += 1
                     trial_cnt[donors[b]] -= 1
-                    v = _pack(
+                    v = pack(
                         w,
                         trial_cnt,
                         num_gpus,
@@ -125,7 +125,7 @@ def _count_search(w, num_gpus, slots, max_evals, good_enough, extra_recv, frozen
                         good_enough,
                     )
                 else:
-                    v = _try_move(
+                    v = try_move(
                         w,
                         cnt,
                         gpu_exp,
@@ -138,9 +138,9 @@ def _count_search(w, num_gpus, slots, max_evals, good_enough, extra_recv, frozen
                         max_iter,
                         good_enough,
                     )
-                if v < best * (1.0 - _REL_TOL):
+                if v < best * (1.0 - REL_TOL):
                     best = v
-                    _adopt(trial_cnt, trial_exp, cnt, gpu_exp)
+                    adopt(trial_cnt, trial_exp, cnt, gpu_exp)
                     best_load[:] = load
                     improved = True
                     break
@@ -149,13 +149,11 @@ def _count_search(w, num_gpus, slots, max_evals, good_enough, extra_recv, frozen
         if not improved:
             break
     if evals > 0:
-        v = _pack(
-            w, cnt, num_gpus, slots, size, trial_exp, load, gpu_n, last, max_iter, good_enough
-        )
-        if v < best * (1.0 - _REL_TOL):
+        v = pack(w, cnt, num_gpus, slots, size, trial_exp, load, gpu_n, last, max_iter, good_enough)
+        if v < best * (1.0 - REL_TOL):
             best = v
             gpu_exp[:, :] = trial_exp
-    return _plan_loads(w, cnt, gpu_exp, size, load)
+    return plan_loads(w, cnt, gpu_exp, size, load)
 
 
 #: Second starts of the count search on large sub-problems (more than 32 replicas, 3 or more
@@ -222,9 +220,9 @@ def _second_starts(
             trial_cnt,
             trial_exp,
         )
-        if v < best * (1.0 - _REL_TOL):
+        if v < best * (1.0 - REL_TOL):
             best = v
-            _adopt(trial_cnt, trial_exp, cnt, gpu_exp)
+            adopt(trial_cnt, trial_exp, cnt, gpu_exp)
     return best
 
 
@@ -235,7 +233,7 @@ def solve_subproblem(w, num_gpus, slots, max_evals, stop_gap, target, cnt, gpu_e
     1. Counts: the min-max apportionment (:func:`apportion_minmax`).
     2. Packing: :func:`_lpt` then :func:`_improve_swaps`.
     3. Count search (first improvement, at most ``max_evals`` trial plans): move one replica
-       from a donor to a receiver and repack from the current plan (:func:`_try_move`); keep the
+       from a donor to a receiver and repack from the current plan (:func:`try_move`); keep the
        move when the largest GPU load drops. Receivers: the experts on the most loaded GPU
        (largest replica first), the expert with the largest replica, and the three experts
        with the smallest replicas (small replicas fill the GPUs of large ones). Donors: the
@@ -279,7 +277,7 @@ def solve_subproblem(w, num_gpus, slots, max_evals, stop_gap, target, cnt, gpu_e
         best = _second_starts(
             w, num_gpus, slots, max_evals, good_enough, best, cnt, gpu_exp, trial_cnt, trial_exp
         )
-    best = _plan_loads(w, cnt, gpu_exp, size, load)
+    best = plan_loads(w, cnt, gpu_exp, size, load)
     if num_phy <= EXACT_MAX_REPLICAS and total > 0.0:
         # Small sub-problem: exact search for a strictly better plan, while one exists and the
         # node budget lasts (each success lowers the cap).
@@ -296,16 +294,16 @@ def solve_subproblem(w, num_gpus, slots, max_evals, stop_gap, target, cnt, gpu_e
                 trial_exp,
             )
             if found > 0:
-                _adopt(trial_cnt, trial_exp, cnt, gpu_exp)
-                best = _plan_loads(w, cnt, gpu_exp, size, load)
-    if _count_duplicates(gpu_exp) > 0:
-        _repair_duplicates(size, gpu_exp, load, best)
-    if num_phy <= EXACT_MAX_REPLICAS and _count_duplicates(gpu_exp) > 0:
+                adopt(trial_cnt, trial_exp, cnt, gpu_exp)
+                best = plan_loads(w, cnt, gpu_exp, size, load)
+    if count_duplicates(gpu_exp) > 0:
+        repair_duplicates(size, gpu_exp, load, best)
+    if num_phy <= EXACT_MAX_REPLICAS and count_duplicates(gpu_exp) > 0:
         # A duplicate-free plan no worse than this one, if the exact search finds one.
         found = exact_search(
             w, num_gpus, slots, best, True, False, EXACT_BUDGET, trial_cnt, trial_exp
         )
         if found > 0:
-            _adopt(trial_cnt, trial_exp, cnt, gpu_exp)
-            _plan_loads(w, cnt, gpu_exp, size, load)
-    return load[_argmax(load)]
+            adopt(trial_cnt, trial_exp, cnt, gpu_exp)
+            plan_loads(w, cnt, gpu_exp, size, load)
+    return load[argmax(load)]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from lbkit.core._jit import jit
-from lbkit.eplb._primitives import _REL_TOL
+from lbkit.eplb._primitives import REL_TOL
 
 __all__ = ["EXACT_BUDGET", "EXACT_MAX_REPLICAS", "exact_search"]
 
@@ -47,7 +47,7 @@ def _exact_pack(size, cnt, order, num_gpus, slots, cap, forbid_dup, budget, gpu_
     load = np.zeros(num_gpus)
     nfill = np.zeros(num_gpus, dtype=np.int64)
     pos = np.full(num_items, -1, dtype=np.int64)
-    tol = _REL_TOL * cap
+    tol = REL_TOL * cap
     visited = 0
     k = 0
     while k >= 0:
@@ -151,7 +151,7 @@ def exact_search(w, num_gpus, slots, cap, forbid_dup, minimize, budget, cnt, gpu
             left += trial[e] - lo[e]
         trial[e] += 1
         extra = trial[e] - lo[e]
-        if trial[e] > hi[e] or extra > left or w[e] / trial[e] > cap * (1.0 + _REL_TOL):
+        if trial[e] > hi[e] or extra > left or w[e] / trial[e] > cap * (1.0 + REL_TOL):
             if trial[e] <= hi[e] and extra <= left:  # replica too large: more replicas
                 left -= extra
                 continue

@@ -2,8 +2,8 @@
 
 :func:`_lpt` places replicas heaviest first on the lightest GPU with room; :func:`_local_search`
 then swaps single replicas (:func:`_improve_swaps`) and pairs (:func:`_improve_pair_swap`)
-between the most loaded GPU and another one while that lowers the larger load. :func:`_pack`
-packs a count vector from scratch, :func:`_try_move` scores moving one replica from a donor to
+between the most loaded GPU and another one while that lowers the larger load. :func:`pack`
+packs a count vector from scratch, :func:`try_move` scores moving one replica from a donor to
 a receiver starting from the current packing. Kernels of :mod:`lbkit.eplb.balanced`.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from lbkit.core._jit import jit
-from lbkit.eplb._primitives import _REL_TOL, _argmax, _holds, _recompute_loads
+from lbkit.eplb._primitives import REL_TOL, argmax, holds, recompute_loads
 
 __all__ = []
 
@@ -115,9 +115,9 @@ def _improve_swaps(size, gpu_exp, load, max_iter):
     num_gpus, slots = gpu_exp.shape
     steps = 0
     for _ in range(max_iter):
-        gm = _argmax(load)
+        gm = argmax(load)
         top = load[gm]
-        tol = _REL_TOL * top
+        tol = REL_TOL * top
         best_v = top - tol
         bi = -1
         bh = -1
@@ -138,7 +138,7 @@ def _improve_swaps(size, gpu_exp, load, max_iter):
                         continue
                     v = max(top - d, load[h] + d)
                     if v < best_v - tol:
-                        if _holds(gpu_exp, h, ea, j) or _holds(gpu_exp, gm, eb, i):
+                        if holds(gpu_exp, h, ea, j) or holds(gpu_exp, gm, eb, i):
                             continue
                         best_v = v
                         bi = i
@@ -179,9 +179,9 @@ def _improve_pair_swap(size, gpu_exp, load):
     (exchanges that leave two replicas of one expert on a GPU are skipped). Returns ``True``
     if it made one."""
     num_gpus, slots = gpu_exp.shape
-    gm = _argmax(load)
+    gm = argmax(load)
     top = load[gm]
-    tol = _REL_TOL * top
+    tol = REL_TOL * top
     best_v = top - tol
     bh = -1
     bi1 = bi2 = bj1 = bj2 = -1
@@ -233,14 +233,14 @@ def _local_search(size, gpu_exp, load, max_iter, good_enough):
     steps = 0
     while steps < max_iter:
         steps += _improve_swaps(size, gpu_exp, load, max_iter - steps)
-        if load[_argmax(load)] <= good_enough or not _improve_pair_swap(size, gpu_exp, load):
+        if load[argmax(load)] <= good_enough or not _improve_pair_swap(size, gpu_exp, load):
             break
         steps += 1
     return steps
 
 
 @jit
-def _pack(w, cnt, num_gpus, slots, size, gpu_exp, load, gpu_n, last, max_iter, good_enough):
+def pack(w, cnt, num_gpus, slots, size, gpu_exp, load, gpu_n, last, max_iter, good_enough):
     """Pack one count vector (LPT, then :func:`_local_search`); returns the largest GPU load."""
     num_log = w.shape[0]
     for e in range(num_log):
@@ -248,14 +248,12 @@ def _pack(w, cnt, num_gpus, slots, size, gpu_exp, load, gpu_n, last, max_iter, g
     order = np.argsort(-size, kind="mergesort")
     _lpt(size, cnt, num_gpus, slots, order, gpu_exp, gpu_n, load, last)
     _local_search(size, gpu_exp, load, max_iter, good_enough)
-    _recompute_loads(size, gpu_exp, load)
-    return load[_argmax(load)]
+    recompute_loads(size, gpu_exp, load)
+    return load[argmax(load)]
 
 
 @jit
-def _try_move(
-    w, cnt, gpu_exp, recv, donor, trial_cnt, trial_exp, size, load, max_iter, good_enough
-):
+def try_move(w, cnt, gpu_exp, recv, donor, trial_cnt, trial_exp, size, load, max_iter, good_enough):
     """Largest GPU load after moving one replica from ``donor`` to ``recv`` (warm start).
 
     The new replica of ``recv`` takes the slot of one replica of ``donor``: the slot whose GPU is
@@ -271,7 +269,7 @@ def _try_move(
     for e in range(num_log):
         size[e] = w[e] / trial_cnt[e]
     trial_exp[:, :] = gpu_exp
-    _recompute_loads(size, trial_exp, load)
+    recompute_loads(size, trial_exp, load)
     best_g = -1
     best_i = -1
     best_dup = True
@@ -280,7 +278,7 @@ def _try_move(
         for i in range(slots):
             if trial_exp[g, i] == donor:
                 v = load[g] - size[donor] + size[recv]
-                dup = _holds(trial_exp, g, recv, -1)
+                dup = holds(trial_exp, g, recv, -1)
                 if (best_dup and not dup) or (dup == best_dup and v < best_v):
                     best_g = g
                     best_i = i
@@ -290,5 +288,5 @@ def _try_move(
     trial_exp[best_g, best_i] = recv
     load[best_g] = best_v
     _local_search(size, trial_exp, load, max_iter, good_enough)
-    _recompute_loads(size, trial_exp, load)
-    return load[_argmax(load)]
+    recompute_loads(size, trial_exp, load)
+    return load[argmax(load)]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from lbkit.core._jit import jit
-from lbkit.eplb._primitives import _REL_TOL, _argmax
+from lbkit.eplb._primitives import REL_TOL, argmax
 
 __all__ = ["PARTITION_BUDGET", "partition_groups"]
 
@@ -39,7 +39,7 @@ def partition_groups(group_load, num_nodes, node_budget, node_of_group):
         node_of_group[g] = best
         nload[best] += group_load[g]
         ncount[best] += 1
-    best_val = nload[_argmax(nload)]
+    best_val = nload[argmax(nload)]
     if per_node == 1 or num_nodes == 1:
         return True
     # Iterative DFS: choice[k] = node tried for the k-th group in order.
@@ -48,7 +48,7 @@ def partition_groups(group_load, num_nodes, node_budget, node_of_group):
     cnt = np.zeros(num_nodes, dtype=np.int64)
     k = 0
     visited = 0
-    tol = _REL_TOL * best_val
+    tol = REL_TOL * best_val
     while k >= 0:
         g = order[k]
         if choice[k] >= 0:  # undo the previous choice for this depth
@@ -83,8 +83,8 @@ def partition_groups(group_load, num_nodes, node_budget, node_of_group):
         cur[n] += group_load[g]
         cnt[n] += 1
         if k == num_groups - 1:
-            best_val = cur[_argmax(cur)]
-            tol = _REL_TOL * best_val
+            best_val = cur[argmax(cur)]
+            tol = REL_TOL * best_val
             for kk in range(num_groups):
                 node_of_group[order[kk]] = choice[kk]
             # keep searching for strictly better partitions

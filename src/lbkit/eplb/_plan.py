@@ -1,7 +1,7 @@
 """Shared plumbing of the EPLB methods: the plan type, input validation and output packing.
 
-Every method validates its inputs once with :func:`_rebalance_iv`, runs its kernel on clean
-``float64`` / ``int64`` arrays and packs the result with :func:`_finish_plan`.
+Every method validates its inputs once with :func:`rebalance_iv`, runs its kernel on clean
+``float64`` / ``int64`` arrays and packs the result with :func:`finish_plan`.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def _is_torch(value: Any) -> bool:
     return type(value).__module__.split(".")[0] == "torch" and hasattr(value, "detach")
 
 
-def _resolve_policy(policy: Any, num_groups: int, num_nodes: int) -> bool:
+def resolve_policy(policy: Any, num_groups: int, num_nodes: int) -> bool:
     """``True`` for the hierarchical policy, ``False`` for the global one."""
     if policy is None:
         return num_groups % num_nodes == 0
@@ -89,7 +89,7 @@ def _sizes_iv(
     return num_replicas, num_groups, num_nodes, num_gpus
 
 
-def _rebalance_iv(
+def rebalance_iv(
     weight: Any,
     num_replicas: Any,
     num_groups: Any,
@@ -107,7 +107,7 @@ def _rebalance_iv(
     num_replicas, num_groups, num_nodes, num_gpus = _sizes_iv(
         w.shape[1], num_replicas, num_groups, num_nodes, num_gpus
     )
-    hierarchical = _resolve_policy(policy, num_groups, num_nodes)
+    hierarchical = resolve_policy(policy, num_groups, num_nodes)
     groups, nodes = (num_groups, num_nodes) if hierarchical else (1, 1)
     return Problem(w, num_replicas, groups, nodes, num_gpus, hierarchical, torch_input)
 
@@ -136,7 +136,7 @@ def _slot_ranks(phy2log: np.ndarray, num_experts: int) -> np.ndarray:
     return ranks
 
 
-def _finish_plan(
+def finish_plan(
     problem: Problem, phy2log: np.ndarray, logcnt: np.ndarray, phyrank: np.ndarray | None = None
 ) -> EplbPlan:
     """Build ``log2phy`` (replica ranks in slot order unless given) and convert to torch."""

@@ -25,11 +25,11 @@ __all__ = ["apportion_minmax"]
 
 
 # Relative tolerance under which two loads count as equal (keeps local searches finite).
-_REL_TOL = 1e-12
+REL_TOL = 1e-12
 
 
 @jit
-def _argmax(load):
+def argmax(load):
     best = 0
     for g in range(1, load.shape[0]):
         if load[g] > load[best]:
@@ -38,7 +38,7 @@ def _argmax(load):
 
 
 @jit
-def _holds(gpu_exp, g, e, skip):
+def holds(gpu_exp, g, e, skip):
     for i in range(gpu_exp.shape[1]):
         if i != skip and gpu_exp[g, i] == e:
             return True
@@ -46,7 +46,7 @@ def _holds(gpu_exp, g, e, skip):
 
 
 @jit
-def _insert_sorted(lst, n, cap, e, key, keys):
+def insert_sorted(lst, n, cap, e, key, keys):
     """Insert ``e`` with ``key`` into the first ``n`` entries of ``lst`` kept in increasing key
     order (stable), truncated to ``cap`` entries; skips ``e`` if present. Returns the new n."""
     for k in range(n):
@@ -67,7 +67,7 @@ def _insert_sorted(lst, n, cap, e, key, keys):
 
 
 @jit
-def _recompute_loads(size, gpu_exp, load):
+def recompute_loads(size, gpu_exp, load):
     num_gpus, slots = gpu_exp.shape
     for g in range(num_gpus):
         s = 0.0
@@ -77,16 +77,16 @@ def _recompute_loads(size, gpu_exp, load):
 
 
 @jit
-def _plan_loads(w, cnt, gpu_exp, size, load):
+def plan_loads(w, cnt, gpu_exp, size, load):
     """Replica sizes from the counts, the GPU loads of the packing; returns the largest load."""
     for e in range(w.shape[0]):
         size[e] = w[e] / cnt[e]
-    _recompute_loads(size, gpu_exp, load)
-    return load[_argmax(load)]
+    recompute_loads(size, gpu_exp, load)
+    return load[argmax(load)]
 
 
 @jit
-def _count_duplicates(gpu_exp):
+def count_duplicates(gpu_exp):
     num_gpus, slots = gpu_exp.shape
     n = 0
     for g in range(num_gpus):
@@ -99,26 +99,26 @@ def _count_duplicates(gpu_exp):
 
 
 @jit
-def _repair_duplicates(size, gpu_exp, load, cap):
+def repair_duplicates(size, gpu_exp, load, cap):
     """Remove two-replicas-of-one-expert-on-one-GPU where a swap does so without any GPU load
     exceeding ``cap`` (the plan's maximum): swap the duplicate with the replica elsewhere whose
     size is closest to it (lowest GPU, then slot, among equals)."""
     num_gpus, slots = gpu_exp.shape
-    tol = _REL_TOL * cap
+    tol = REL_TOL * cap
     for g in range(num_gpus):
         for i in range(slots):
             e = gpu_exp[g, i]
-            if not _holds(gpu_exp, g, e, i):
+            if not holds(gpu_exp, g, e, i):
                 continue
             best_h = -1
             best_j = -1
             best_d = np.inf
             for h in range(num_gpus):
-                if h == g or _holds(gpu_exp, h, e, -1):
+                if h == g or holds(gpu_exp, h, e, -1):
                     continue
                 for j in range(slots):
                     f = gpu_exp[h, j]
-                    if _holds(gpu_exp, g, f, -1):
+                    if holds(gpu_exp, g, f, -1):
                         continue
                     d = size[e] - size[f]
                     if load[g] - d > cap + tol or load[h] + d > cap + tol:
@@ -137,7 +137,7 @@ def _repair_duplicates(size, gpu_exp, load, cap):
 
 
 @jit
-def _adopt(trial_cnt, trial_exp, cnt, gpu_exp):
+def adopt(trial_cnt, trial_exp, cnt, gpu_exp):
     """Copy a better trial plan (counts and per-GPU experts) over the current one."""
     for e in range(cnt.shape[0]):
         cnt[e] = trial_cnt[e]
@@ -196,7 +196,7 @@ def apportion_minmax(w, num_phy, cnt):
 
 
 @jit
-def _loads(size, gpu_exp, load):
+def gpu_loads(size, gpu_exp, load):
     """GPU loads of a packing whose ``-1`` slots are empty (or another sub-problem's)."""
     num_gpus, slots = gpu_exp.shape
     for g in range(num_gpus):
@@ -209,7 +209,7 @@ def _loads(size, gpu_exp, load):
 
 
 @jit
-def _moves(hold, gpu_exp, cur):
+def count_moves(hold, gpu_exp, cur):
     """Moves of ``gpu_exp`` against the old per-GPU holdings ``hold[g, e]`` (``cur``: a zeroed
     scratch array of ``E`` counts, zeroed again on return)."""
     num_gpus, slots = gpu_exp.shape
@@ -229,7 +229,7 @@ def _moves(hold, gpu_exp, cur):
 
 
 @jit
-def _holders(gpu_exp, num_log, start, gpus):
+def holders(gpu_exp, num_log, start, gpus):
     """CSR lists of the GPUs holding each expert (with multiplicity, increasing GPU)."""
     num_gpus, slots = gpu_exp.shape
     start[:] = 0
@@ -247,12 +247,12 @@ def _holders(gpu_exp, num_log, start, gpus):
 
 
 @jit
-def _excess(x, target):
+def excess(x, target):
     return x - target if x > target else 0.0
 
 
 @jit
-def _replace_cost(cur, hold, g, out_e, in_e):
+def replace_cost(cur, hold, g, out_e, in_e):
     """Change in moves when GPU ``g`` gives up a replica of ``out_e`` for one of ``in_e``
     (``cur`` the current per-GPU counts, ``hold`` the old ones): ``-1`` if the replica given up
     was a move (``cur > hold``), ``+1`` if the one received is one (``cur >= hold``)."""
@@ -265,13 +265,13 @@ def _replace_cost(cur, hold, g, out_e, in_e):
 
 
 @jit
-def _swap_cost(cur, hold, h, a, k, b):
+def swap_cost(cur, hold, h, a, k, b):
     """Change in moves when GPU ``h`` gives a replica of ``a`` to GPU ``k`` for one of ``b``."""
-    return _replace_cost(cur, hold, h, a, b) + _replace_cost(cur, hold, k, b, a)
+    return replace_cost(cur, hold, h, a, b) + replace_cost(cur, hold, k, b, a)
 
 
 @jit
-def _apply_swap(gpu_exp, cur, h, i, k, j):
+def apply_swap(gpu_exp, cur, h, i, k, j):
     """Exchange slot ``i`` of GPU ``h`` with slot ``j`` of GPU ``k`` (``cur`` kept in step)."""
     a = gpu_exp[h, i]
     b = gpu_exp[k, j]
@@ -284,7 +284,7 @@ def _apply_swap(gpu_exp, cur, h, i, k, j):
 
 
 @jit
-def _apply_replace(gpu_exp, cur, cnt, h, i, b):
+def apply_replace(gpu_exp, cur, cnt, h, i, b):
     """Give slot ``i`` of GPU ``h`` to expert ``b`` (a count change; ``cur``, ``cnt`` kept)."""
     a = gpu_exp[h, i]
     gpu_exp[h, i] = b

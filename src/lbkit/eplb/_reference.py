@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from lbkit.eplb._plan import _rebalance_iv
+from lbkit.eplb._plan import rebalance_iv
 
 __all__ = [
     "optimal_max_load",
@@ -81,7 +81,7 @@ def optimal_max_load(
     """
     w = np.asarray(w, dtype=np.float64)
     if slots == 2 and not forbid_duplicates and max_load is None:
-        found = _two_slot_optimum(w, num_gpus, upper_bound)
+        found = two_slot_optimum(w, num_gpus, upper_bound)
         if found is not None:
             return found, True
     from ortools.sat.python import cp_model
@@ -178,7 +178,7 @@ def optimal_moe_lb(
     >>> value, proven
     (array([1.4711...]), True)
     """
-    p = _rebalance_iv(weight, num_replicas, num_groups, num_nodes, num_gpus, policy)
+    p = rebalance_iv(weight, num_replicas, num_groups, num_nodes, num_gpus, policy)
     w = p.weight
     slots = p.num_replicas // p.num_gpus
     gpus_per_node = p.num_gpus // p.num_nodes
@@ -218,7 +218,7 @@ def optimal_moe_lb(
     return out, proven_all
 
 
-def _two_slot_optimum(w: np.ndarray, num_gpus: int, upper_bound: float | None) -> float | None:
+def two_slot_optimum(w: np.ndarray, num_gpus: int, upper_bound: float | None) -> float | None:
     """Exact optimum with two slots per GPU, or ``None`` if there are too many count vectors.
 
     For fixed counts, pairing the largest replica with the smallest, the second largest with

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from lbkit.core._jit import jit
-from lbkit.eplb._primitives import _REL_TOL, _insert_sorted, _moves
+from lbkit.eplb._primitives import REL_TOL, count_moves, insert_sorted
 
 __all__ = ["CYCLE_CLOSERS"]
 
@@ -75,7 +75,7 @@ def _chain_from(size, gpu_exp, cur, load, target, tol, k, j, by_rise, mark, stam
 
 
 @jit
-def _cycles(size, gpu_exp, cur, load, target, budget, hold, moves, cur_tmp):
+def cycles(size, gpu_exp, cur, load, target, budget, hold, moves, cur_tmp):
     """Exchange cycles (counts fixed) until no GPU is above ``target``.
 
     Each cycle is the best of the chains (:func:`_chain_from`, both greedy rules) closed by the
@@ -86,7 +86,7 @@ def _cycles(size, gpu_exp, cur, load, target, budget, hold, moves, cur_tmp):
     the moves. Only GPUs above ``target`` and one light GPU per cycle change, each by one
     replica in and one out, so the replica counts stay as they are."""
     num_gpus, slots = gpu_exp.shape
-    tol = _REL_TOL * target
+    tol = REL_TOL * target
     mark = np.zeros(num_gpus, dtype=np.int64)
     ch_g = np.empty(num_gpus, dtype=np.int64)
     ch_i = np.empty(num_gpus, dtype=np.int64)
@@ -105,7 +105,7 @@ def _cycles(size, gpu_exp, cur, load, target, budget, hold, moves, cur_tmp):
         nc = 0
         for g in range(num_gpus):
             if load[g] < target - tol:
-                nc = _insert_sorted(closers, nc, CYCLE_CLOSERS, g, load[g] - target, ckey)
+                nc = insert_sorted(closers, nc, CYCLE_CLOSERS, g, load[g] - target, ckey)
         best_m = 0
         best_rise = 0.0
         best_fixed = 0.0
@@ -122,8 +122,8 @@ def _cycles(size, gpu_exp, cur, load, target, budget, hold, moves, cur_tmp):
             fixed = 0.0
             for t in range(m):
                 fixed += load[ch_g[t]] - target
-            if fixed > best_fixed * (1.0 + _REL_TOL) or (
-                fixed >= best_fixed * (1.0 - _REL_TOL)
+            if fixed > best_fixed * (1.0 + REL_TOL) or (
+                fixed >= best_fixed * (1.0 - REL_TOL)
                 and (m > best_m or (m == best_m and rise < best_rise))
             ):
                 best_m = m
@@ -150,7 +150,7 @@ def _cycles(size, gpu_exp, cur, load, target, budget, hold, moves, cur_tmp):
         cur[bk, c] -= 1
         cur[bk, prev_e] += 1
         load[bk] += size[prev_e] - size[c]
-        new_moves = _moves(hold, gpu_exp, cur_tmp)
+        new_moves = count_moves(hold, gpu_exp, cur_tmp)
         if new_moves > budget:  # undo the cycle and stop
             gpu_exp[bk, bj] = c
             cur[bk, prev_e] -= 1

@@ -23,20 +23,20 @@ import numpy as np
 
 from lbkit.core._jit import jit
 from lbkit.eplb._primitives import (
-    _REL_TOL,
-    _apply_replace,
-    _apply_swap,
-    _excess,
-    _holders,
-    _loads,
-    _moves,
-    _replace_cost,
-    _swap_cost,
+    REL_TOL,
+    apply_replace,
+    apply_swap,
+    count_moves,
+    excess,
+    gpu_loads,
+    holders,
+    replace_cost,
+    swap_cost,
 )
 
 __all__ = ["MAX_CHAIN", "STEP_CHAIN", "STEP_COUNT_CHANGE", "STEP_NONE", "STEP_SWAP"]
 
-#: Kinds of descent step (:func:`_descend`); ``STEP_NONE``: no step lowers the excess.
+#: Kinds of descent step (:func:`descend`); ``STEP_NONE``: no step lowers the excess.
 STEP_NONE = -1
 STEP_COUNT_CHANGE = 0
 STEP_SWAP = 1
@@ -69,7 +69,7 @@ def _best_count_change(
     (expert ``a``, two or more replicas) given to expert ``b``; ``a``'s other replicas grow,
     ``b``'s shrink. Returns ``(found, best_free, best_score, h, i, b)``.
 
-    ``start``, ``gpus``: the holders of every expert (:func:`_holders`); ``hot[e]``: some GPU
+    ``start``, ``gpus``: the holders of every expert (:func:`holders`); ``hot[e]``: some GPU
     above ``target`` holds ``e``; ``scratch``: ``(dl, mark, touched, hot_list, reach)`` work
     arrays. The step is the first of the best in the order of ``(h, i, b)``; GPUs above the
     target are searched first, so that a good step is known early. A candidate is evaluated
@@ -81,7 +81,7 @@ def _best_count_change(
     dl, mark, touched, hot_list, reach = scratch
     num_gpus, slots = gpu_exp.shape
     num_log = w.shape[0]
-    tol = _REL_TOL * target
+    tol = REL_TOL * target
     slack = 1e-9 * target  # above any rounding of a reduction
     found = False
     bh = bi = bb = -1
@@ -93,7 +93,7 @@ def _best_count_change(
         r = 0.0
         shrink = size[b] - w[b] / (cnt[b] + 1)
         for k in range(start[b], start[b + 1]):
-            r += min(_excess(load[gpus[k]], target), shrink)
+            r += min(excess(load[gpus[k]], target), shrink)
         reach[b] = r
         if hot[b]:
             hot_list[n_hot] = b
@@ -103,7 +103,7 @@ def _best_count_change(
         h_heavy = load[h] > target + tol
         if h_heavy != (pos < num_gpus):
             continue
-        h_exc = _excess(load[h], target)
+        h_exc = excess(load[h], target)
         n_b = num_log if h_heavy else n_hot
         for i in range(slots):
             a = gpu_exp[h, i]
@@ -114,7 +114,7 @@ def _best_count_change(
                 b = q if h_heavy else hot_list[q]
                 if b == a or cur[h, b] > 0:
                     continue
-                cost = _replace_cost(cur, hold, h, a, b)
+                cost = replace_cost(cur, hold, h, a, b)
                 if moves + cost > budget:
                     continue
                 if cost > 0 and best_free:
@@ -151,7 +151,7 @@ def _best_count_change(
                 red = 0.0
                 for k in range(nt):
                     g = touched[k]
-                    red += _excess(load[g], target) - _excess(load[g] + dl[g], target)
+                    red += excess(load[g], target) - excess(load[g] + dl[g], target)
                 if red <= tol:
                     continue
                 score = _step_score(red, cost, best_free, best_score)
@@ -180,7 +180,7 @@ def _best_swap(size, hold, cur, gpu_exp, load, target, budget, moves, best_free,
     ``h`` above ``target`` with a smaller replica ``b`` (slot ``j``) of GPU ``k``. Returns
     ``(found, best_free, best_score, h, i, k, j)``."""
     num_gpus, slots = gpu_exp.shape
-    tol = _REL_TOL * target
+    tol = REL_TOL * target
     found = False
     bh = bi = bk = bj = -1
     for h in range(num_gpus):
@@ -197,14 +197,14 @@ def _best_swap(size, hold, cur, gpu_exp, load, target, budget, moves, best_free,
                     if d <= tol or cur[h, b] > 0:
                         continue
                     red = (
-                        _excess(load[h], target)
-                        - _excess(load[h] - d, target)
-                        + _excess(load[k], target)
-                        - _excess(load[k] + d, target)
+                        excess(load[h], target)
+                        - excess(load[h] - d, target)
+                        + excess(load[k], target)
+                        - excess(load[k] + d, target)
                     )
                     if red <= tol:
                         continue
-                    cost = _swap_cost(cur, hold, h, a, k, b)
+                    cost = swap_cost(cur, hold, h, a, k, b)
                     if moves + cost > budget:
                         continue
                     score = _step_score(red, cost, best_free, best_score)
@@ -227,7 +227,7 @@ def _close_chain(size, hold, cur, gpu_exp, load, target, cg, ci, m, mark, stamp,
     lowest load after the exchange (lowest GPU, slot among equals). Returns ``(k, j, load of k
     after)``, ``k = -1`` if none."""
     num_gpus, slots = gpu_exp.shape
-    tol = _REL_TOL * target
+    tol = REL_TOL * target
     a1 = gpu_exp[cg[0], ci[0]]
     last = cg[m - 1]
     ck = cj = -1
@@ -259,11 +259,11 @@ def _chain_value(size, hold, cur, gpu_exp, load, target, cg, ci, m, ck, cj, ck_l
     for q in range(m - 1, -1, -1):
         g = cg[q]
         e_out = gpu_exp[g, ci[q]]
-        cost += _replace_cost(cur, hold, g, e_out, prev_e)
-        red += _excess(load[g], target) - _excess(load[g] - size[e_out] + size[prev_e], target)
+        cost += replace_cost(cur, hold, g, e_out, prev_e)
+        red += excess(load[g], target) - excess(load[g] - size[e_out] + size[prev_e], target)
         prev_e = e_out
-    cost += _replace_cost(cur, hold, ck, gpu_exp[ck, cj], gpu_exp[cg[0], ci[0]])
-    red += _excess(load[ck], target) - _excess(ck_load, target)
+    cost += replace_cost(cur, hold, ck, gpu_exp[ck, cj], gpu_exp[cg[0], ci[0]])
+    red += excess(load[ck], target) - excess(ck_load, target)
     return cost, red
 
 
@@ -282,7 +282,7 @@ def _best_chain(
     mark, cg, ci = scratch
     bcg, bci = best
     num_gpus, slots = gpu_exp.shape
-    tol = _REL_TOL * target
+    tol = REL_TOL * target
     max_chain = min(num_gpus - 1, MAX_CHAIN)
     found = False
     bm = 0
@@ -370,7 +370,7 @@ def _apply_chain(gpu_exp, cur, bcg, bci, bm, bk, bj):
 @jit
 def _mark_hot(load, target, start, gpus, hot):
     """``hot[e]``: some GPU above ``target`` holds expert ``e``."""
-    tol = _REL_TOL * target
+    tol = REL_TOL * target
     for e in range(hot.shape[0]):
         hot[e] = False
         for k in range(start[e], start[e + 1]):
@@ -380,7 +380,7 @@ def _mark_hot(load, target, start, gpus, hot):
 
 
 @jit
-def _descend(w, size, cnt, hold, cur, gpu_exp, load, target, budget, moves, max_steps, cur_tmp):
+def descend(w, size, cnt, hold, cur, gpu_exp, load, target, budget, moves, max_steps, cur_tmp):
     """Lower the total excess step by step (module docstring), at most ``max_steps`` steps.
 
     Updates ``cnt``, ``size``, ``cur``, ``gpu_exp`` and ``load`` in place and returns the moves
@@ -408,7 +408,7 @@ def _descend(w, size, cnt, hold, cur, gpu_exp, load, target, budget, moves, max_
     )
     bcg = np.empty(num_gpus, dtype=np.int64)
     bci = np.empty(num_gpus, dtype=np.int64)
-    tol = _REL_TOL * target
+    tol = REL_TOL * target
     for _step in range(max_steps):
         heavy = 0
         for g in range(num_gpus):
@@ -416,7 +416,7 @@ def _descend(w, size, cnt, hold, cur, gpu_exp, load, target, budget, moves, max_
                 heavy += 1
         if heavy == 0:
             break
-        _holders(gpu_exp, num_log, start, gpus)
+        holders(gpu_exp, num_log, start, gpus)
         _mark_hot(load, target, start, gpus, hot)
         kind = STEP_NONE
         found, best_free, best_score, ch, ci, cb = _best_count_change(
@@ -442,11 +442,11 @@ def _descend(w, size, cnt, hold, cur, gpu_exp, load, target, budget, moves, max_
             _apply_chain(gpu_exp, cur, bcg, bci, bm, bk, bj)
         elif kind == STEP_COUNT_CHANGE:
             a = gpu_exp[ch, ci]
-            _apply_replace(gpu_exp, cur, cnt, ch, ci, cb)
+            apply_replace(gpu_exp, cur, cnt, ch, ci, cb)
             size[a] = w[a] / cnt[a]
             size[cb] = w[cb] / cnt[cb]
         else:
-            _apply_swap(gpu_exp, cur, sh, si, sk, sj)
-        _loads(size, gpu_exp, load)
-        moves = _moves(hold, gpu_exp, cur_tmp)
+            apply_swap(gpu_exp, cur, sh, si, sk, sj)
+        gpu_loads(size, gpu_exp, load)
+        moves = count_moves(hold, gpu_exp, cur_tmp)
     return moves

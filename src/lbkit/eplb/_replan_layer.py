@@ -23,10 +23,10 @@ import numpy as np
 
 from lbkit.core._jit import entry, jit
 from lbkit.eplb._plan import Problem
-from lbkit.eplb._primitives import _REL_TOL, _argmax, _holds, _loads, _moves
-from lbkit.eplb._replan_cycles import _cycles
-from lbkit.eplb._replan_descent import _descend
-from lbkit.eplb._replan_local import _local_search, _reclaim
+from lbkit.eplb._primitives import REL_TOL, argmax, count_moves, gpu_loads, holds
+from lbkit.eplb._replan_cycles import cycles
+from lbkit.eplb._replan_descent import descend
+from lbkit.eplb._replan_local import local_search, reclaim
 
 __all__ = [
     "MAX_STEPS_PER_SLOT",
@@ -106,7 +106,7 @@ def _repack(size, pinned, gpu_exp, pool_e, pool_home, n_pool, cap, load, order):
         for i in range(slots):
             if not pinned[g, i]:
                 gpu_exp[g, i] = -1
-    _loads(size, gpu_exp, load)
+    gpu_loads(size, gpu_exp, load)
     key = np.empty(n_pool)
     for k in range(n_pool):
         key[k] = -size[pool_e[k]]
@@ -117,7 +117,7 @@ def _repack(size, pinned, gpu_exp, pool_e, pool_home, n_pool, cap, load, order):
         x = size[e]
         best = -1
         h = pool_home[p]
-        if h >= 0 and load[h] + x <= cap and not _holds(gpu_exp, h, e, -1):
+        if h >= 0 and load[h] + x <= cap and not holds(gpu_exp, h, e, -1):
             for i in range(slots):
                 if gpu_exp[h, i] < 0:
                     best = h
@@ -132,7 +132,7 @@ def _repack(size, pinned, gpu_exp, pool_e, pool_home, n_pool, cap, load, order):
                         break
                 if not free:
                     continue
-                dup = _holds(gpu_exp, g, e, -1)
+                dup = holds(gpu_exp, g, e, -1)
                 if best < 0 or (best_dup and not dup) or (dup == best_dup and load[g] < load[best]):
                     best = g
                     best_dup = dup
@@ -152,7 +152,7 @@ def _restore(w, src_exp, src_cnt, src_cur, src_moves, gpu_exp, cnt, cur, size, l
     cur[:, :] = src_cur
     for e in range(w.shape[0]):
         size[e] = w[e] / cnt[e]
-    _loads(size, gpu_exp, load)
+    gpu_loads(size, gpu_exp, load)
     return src_moves
 
 
@@ -165,8 +165,8 @@ def _better(val, moves, best_val, best_moves, limit):
         return moves < best_moves or (moves == best_moves and val < best_val)
     if val <= limit or best_val <= limit:
         return val <= limit
-    return val < best_val * (1.0 - _REL_TOL) or (
-        val <= best_val * (1.0 + _REL_TOL) and moves < best_moves
+    return val < best_val * (1.0 - REL_TOL) or (
+        val <= best_val * (1.0 + REL_TOL) and moves < best_moves
     )
 
 
@@ -182,9 +182,9 @@ def replan_subproblem(w, old_exp, target, budget, max_steps, gpu_exp):
        below the same limit); the donor gives up its replica on its most loaded GPU.
     2. **Keep, then fill**: every other old replica stays pinned in its slot; the new replicas
        fill the freed slots (:func:`_repack`).
-    3. **Exchange cycles** (:func:`_cycles`, counts fixed): cycles of GPUs above ``target``
+    3. **Exchange cycles** (:func:`cycles`, counts fixed): cycles of GPUs above ``target``
        each passing a replica to the next, closed by a light GPU, ``m + 1`` moves for ``m``
-       GPUs; if some GPU stays above ``target``, the **excess descent** (:func:`_descend`)
+       GPUs; if some GPU stays above ``target``, the **excess descent** (:func:`descend`)
        continues from there: lower the total excess ``sum_g max(0, load[g] - target)`` by the
        step of largest reduction per move (free steps first, by reduction): a count change
        (any slot of an expert with two or more replicas given to another expert, on a GPU
@@ -196,17 +196,17 @@ def replan_subproblem(w, old_exp, target, budget, max_steps, gpu_exp):
        ``target``, the descent alone from the filled state is tried too. A result replaces the
        state before it when it is better (:func:`_better`: fewer moves among states at or
        below ``target``, else the lower maximum).
-    4. **Local search** while the most loaded GPU is above ``target`` (:func:`_local_search`):
+    4. **Local search** while the most loaded GPU is above ``target`` (:func:`local_search`):
        swaps of its replicas and count changes of its slots, free steps first.
     5. Stop when the maximum is at most ``target``, no step is left or ``max_steps`` were made;
        the result is the best state seen (lowest maximum, then fewest moves).
-    6. **Give back** moves that are not needed (:func:`_reclaim`).
+    6. **Give back** moves that are not needed (:func:`reclaim`).
 
     Returns the moves of the result; ``budget + 1`` (and ``old_exp`` copied) when even the
     replicas that the sub-problem must receive exceed the budget.
 
     Runtime complexity: O((G S + E) E) for the counts, O(G S log(G S)) for the fill, then per
-    search step O(G S E + H S G S) (:func:`_descend`; ``H`` GPUs above ``target``), at most
+    search step O(G S E + H S G S) (:func:`descend`; ``H`` GPUs above ``target``), at most
     ``max_steps`` steps per search.
     """
     num_gpus, slots = old_exp.shape
@@ -246,7 +246,7 @@ def replan_subproblem(w, old_exp, target, budget, max_steps, gpu_exp):
                     donor = d
             for d in range(num_log):
                 size[d] = w[d] / max(cnt[d], 1)
-            _loads(size, gpu_exp, load)
+            gpu_loads(size, gpu_exp, load)
             bg = -1
             bi = -1
             for g in range(num_gpus):
@@ -288,8 +288,8 @@ def replan_subproblem(w, old_exp, target, budget, max_steps, gpu_exp):
             q += take * size[by_size[k]]
             left -= take
         limit = target - q
-        recv = _argmax(size)
-        if size[recv] <= limit * (1.0 + _REL_TOL):
+        recv = argmax(size)
+        if size[recv] <= limit * (1.0 + REL_TOL):
             break
         donor = -1
         for d in range(num_log):
@@ -306,7 +306,7 @@ def replan_subproblem(w, old_exp, target, budget, max_steps, gpu_exp):
         if in_pool >= 0:  # a new replica of the donor not placed yet: give it to the receiver
             pool_e[in_pool] = recv
         else:  # free the donor's replica on its most loaded GPU (lowest GPU among equals)
-            _loads(size, gpu_exp, load)
+            gpu_loads(size, gpu_exp, load)
             bg = -1
             bi = -1
             for g in range(num_gpus):
@@ -325,13 +325,13 @@ def replan_subproblem(w, old_exp, target, budget, max_steps, gpu_exp):
         size[e] = w[e] / cnt[e]
     # 2. Fill the freed slots.
     _repack(size, pinned, gpu_exp, pool_e, pool_home, n_pool, target, load, order)
-    moves = _moves(hold, gpu_exp, cur_tmp)
+    moves = count_moves(hold, gpu_exp, cur_tmp)
     best_exp = gpu_exp.copy()
-    best_val = load[_argmax(load)]
+    best_val = load[argmax(load)]
     best_moves = moves
     if moves > budget:  # the count repair alone exceeds the budget (only when budget < changes)
         best_val = np.inf
-    tol = _REL_TOL * target
+    tol = REL_TOL * target
     cur = np.zeros((num_gpus, num_log), dtype=np.int64)
     for g in range(num_gpus):
         for i in range(slots):
@@ -343,12 +343,12 @@ def replan_subproblem(w, old_exp, target, budget, max_steps, gpu_exp):
     # 3a. Exchange cycles (counts fixed) from the filled state, the excess descent finishing if
     # they fall short; kept if better than the filled state.
     if best_val > target + tol and moves <= budget:
-        moves = _cycles(size, gpu_exp, cur, load, target, budget, hold, moves, cur_tmp)
-        if load[_argmax(load)] > target + tol:
-            moves = _descend(
+        moves = cycles(size, gpu_exp, cur, load, target, budget, hold, moves, cur_tmp)
+        if load[argmax(load)] > target + tol:
+            moves = descend(
                 w, size, cnt, hold, cur, gpu_exp, load, target, budget, moves, max_steps, cur_tmp
             )
-        val = load[_argmax(load)]
+        val = load[argmax(load)]
         if _better(val, moves, best_val, best_moves, target + tol):
             best_val = val
             best_moves = moves
@@ -362,10 +362,10 @@ def replan_subproblem(w, old_exp, target, budget, max_steps, gpu_exp):
         keep_cur = cur.copy()
         keep_moves = moves
         moves = _restore(w, filled_exp, cnt0, cur0, filled_moves, gpu_exp, cnt, cur, size, load)
-        moves = _descend(
+        moves = descend(
             w, size, cnt, hold, cur, gpu_exp, load, target, budget, moves, max_steps, cur_tmp
         )
-        val = load[_argmax(load)]
+        val = load[argmax(load)]
         if _better(val, moves, best_val, best_moves, target + tol):
             best_val = val
             best_moves = moves
@@ -375,7 +375,7 @@ def replan_subproblem(w, old_exp, target, budget, max_steps, gpu_exp):
                 w, keep_exp, keep_cnt, keep_cur, keep_moves, gpu_exp, cnt, cur, size, load
             )
     # 4. Local search on the most loaded GPU.
-    moves, best_val, best_moves = _local_search(
+    moves, best_val, best_moves = local_search(
         w, size, cnt, hold, cur, gpu_exp, load, target, budget, moves, max_steps,
         (best_exp, best_val, best_moves), cur_tmp,
     )  # fmt: skip
@@ -383,8 +383,8 @@ def replan_subproblem(w, old_exp, target, budget, max_steps, gpu_exp):
         best_exp[:, :] = old_exp
         best_moves = budget + 1
     if best_val < np.inf:  # 6. give back moves that are not needed
-        _reclaim(w, hold, best_exp, max(best_val, target), max_steps)
-        best_moves = _moves(hold, best_exp, cur_tmp)
+        reclaim(w, hold, best_exp, max(best_val, target), max_steps)
+        best_moves = count_moves(hold, best_exp, cur_tmp)
     gpu_exp[:, :] = best_exp
     return best_moves
 

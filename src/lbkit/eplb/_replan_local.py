@@ -2,7 +2,7 @@
 :func:`lbkit.eplb._replan_layer.replan_subproblem`).
 
 The **local search** lowers the most loaded GPU while it is above the target, one step at a
-time; :func:`_reclaim` then gives back moves that are not needed. Clean arrays only (see
+time; :func:`reclaim` then gives back moves that are not needed. Clean arrays only (see
 ``_primitives.py`` for the vocabulary); every kernel also runs with ``NUMBA_DISABLE_JIT=1``.
 """
 
@@ -12,16 +12,16 @@ import numpy as np
 
 from lbkit.core._jit import jit
 from lbkit.eplb._primitives import (
-    _REL_TOL,
-    _apply_replace,
-    _apply_swap,
-    _argmax,
-    _holders,
-    _insert_sorted,
-    _loads,
-    _moves,
-    _replace_cost,
-    _swap_cost,
+    REL_TOL,
+    apply_replace,
+    apply_swap,
+    argmax,
+    count_moves,
+    gpu_loads,
+    holders,
+    insert_sorted,
+    replace_cost,
+    swap_cost,
 )
 
 __all__ = ["FILL_CANDIDATES"]
@@ -57,7 +57,7 @@ def _replace_value(size, w, cnt, gpu_exp, load, gm, i, b):
 
 
 @jit
-def _local_search(
+def local_search(
     w, size, cnt, hold, cur, gpu_exp, load, target, budget, moves, max_steps, best, cur_tmp
 ):
     """Local search on the most loaded GPU ``gm`` while it is above ``target`` (at most
@@ -80,13 +80,13 @@ def _local_search(
     best_exp, best_val, best_moves = best
     num_gpus, slots = gpu_exp.shape
     num_log = w.shape[0]
-    tol = _REL_TOL * target
+    tol = REL_TOL * target
     fill = np.empty(FILL_CANDIDATES, dtype=np.int64)
     fkey = np.empty(FILL_CANDIDATES)
     for _step in range(max_steps):
         if best_val <= target + tol or moves > budget:
             break
-        gm = _argmax(load)
+        gm = argmax(load)
         top = load[gm]
         # Best swap of a replica of gm with a smaller one elsewhere: among those that cost no
         # move the largest gain, else the largest gain per move (lowest GPU, slots among equals).
@@ -111,7 +111,7 @@ def _local_search(
                         continue
                     if cur[h, a] > 0 or cur[gm, b] > 0:
                         continue  # would put two replicas of one expert on a GPU
-                    delta = _swap_cost(cur, hold, gm, a, h, b)
+                    delta = swap_cost(cur, hold, gm, a, h, b)
                     if moves + delta > budget:
                         continue
                     if delta <= 0:
@@ -131,14 +131,14 @@ def _local_search(
         nf = 0
         for e in range(num_log):
             if cur[gm, e] == 0:
-                nf = _insert_sorted(fill, nf, FILL_CANDIDATES, e, w[e] / (cnt[e] + 1), fkey)
+                nf = insert_sorted(fill, nf, FILL_CANDIDATES, e, w[e] / (cnt[e] + 1), fkey)
         for i in range(slots):
             a = gpu_exp[gm, i]
             if cnt[a] < 2:
                 continue
             for k in range(nf):
                 b = fill[k]
-                delta = _replace_cost(cur, hold, gm, a, b)
+                delta = replace_cost(cur, hold, gm, a, b)
                 if moves + delta > budget:
                     continue
                 v = _replace_value(size, w, cnt, gpu_exp, load, gm, i, b)
@@ -157,10 +157,10 @@ def _local_search(
                     rb = b
         if ri >= 0:  # the count change found last beats every swap before it
             a = gpu_exp[gm, ri]
-            _apply_replace(gpu_exp, cur, cnt, gm, ri, rb)
+            apply_replace(gpu_exp, cur, cnt, gm, ri, rb)
             size[a] = w[a] / cnt[a]
             size[rb] = w[rb] / cnt[rb]
-            _loads(size, gpu_exp, load)
+            gpu_loads(size, gpu_exp, load)
         else:
             if fi >= 0:
                 i, h, j = fi, fh, fj
@@ -169,13 +169,13 @@ def _local_search(
             else:
                 break
             d = size[gpu_exp[gm, i]] - size[gpu_exp[h, j]]
-            _apply_swap(gpu_exp, cur, gm, i, h, j)
+            apply_swap(gpu_exp, cur, gm, i, h, j)
             load[gm] -= d
             load[h] += d
-        moves = _moves(hold, gpu_exp, cur_tmp)
-        val = load[_argmax(load)]
-        if val < best_val * (1.0 - _REL_TOL) or (
-            val <= best_val * (1.0 + _REL_TOL) and moves < best_moves
+        moves = count_moves(hold, gpu_exp, cur_tmp)
+        val = load[argmax(load)]
+        if val < best_val * (1.0 - REL_TOL) or (
+            val <= best_val * (1.0 + REL_TOL) and moves < best_moves
         ):
             best_val = val
             best_moves = moves
@@ -184,7 +184,7 @@ def _local_search(
 
 
 @jit
-def _reclaim(w, hold, gpu_exp, cap, max_steps):
+def reclaim(w, hold, gpu_exp, cap, max_steps):
     """Undo moves that are not needed: while some change saves a move and keeps every GPU at or
     below ``cap``, make the one saving most (then the lowest largest load among the changed
     GPUs; lowest GPU, slot, expert among equals). Changes: a swap of two replicas between GPUs,
@@ -201,11 +201,11 @@ def _reclaim(w, hold, gpu_exp, cap, max_steps):
     load = np.empty(num_gpus)
     start = np.zeros(num_log + 1, dtype=np.int64)
     gpus = np.empty(num_gpus * slots, dtype=np.int64)
-    lim = cap * (1.0 + _REL_TOL)
+    lim = cap * (1.0 + REL_TOL)
     for _step in range(max_steps):
         for e in range(num_log):
             size[e] = w[e] / cnt[e]
-        _loads(size, gpu_exp, load)
+        gpu_loads(size, gpu_exp, load)
         best_save = 0
         best_top = 0.0
         kind = -1
@@ -222,7 +222,7 @@ def _reclaim(w, hold, gpu_exp, cap, max_steps):
                         b = gpu_exp[k, j]
                         if cur[h, b] > 0:
                             continue
-                        save = -_swap_cost(cur, hold, h, a, k, b)
+                        save = -swap_cost(cur, hold, h, a, k, b)
                         if save <= 0 or save < best_save:
                             continue
                         lh = load[h] - size[a] + size[b]
@@ -238,7 +238,7 @@ def _reclaim(w, hold, gpu_exp, cap, max_steps):
                             bi = i
                             bk = k
                             bj = j
-        _holders(gpu_exp, num_log, start, gpus)
+        holders(gpu_exp, num_log, start, gpus)
         for h in range(num_gpus):
             for i in range(slots):
                 a = gpu_exp[h, i]
@@ -246,7 +246,7 @@ def _reclaim(w, hold, gpu_exp, cap, max_steps):
                     continue
                 grow = w[a] / (cnt[a] - 1) - size[a]
                 for b in range(num_log):
-                    if b == a or cur[h, b] > 0 or _replace_cost(cur, hold, h, a, b) >= 0:
+                    if b == a or cur[h, b] > 0 or replace_cost(cur, hold, h, a, b) >= 0:
                         continue  # saves a move only if b returns to a GPU that held it
                     nb = w[b] / (cnt[b] + 1)  # b's other replicas shrink: never above cap
                     top = load[h] - size[a] + nb
@@ -266,6 +266,6 @@ def _reclaim(w, hold, gpu_exp, cap, max_steps):
         if kind < 0:
             break
         if kind == 0:
-            _apply_replace(gpu_exp, cur, cnt, bh, bi, bb)
+            apply_replace(gpu_exp, cur, cnt, bh, bi, bb)
         else:
-            _apply_swap(gpu_exp, cur, bh, bi, bk, bj)
+            apply_swap(gpu_exp, cur, bh, bi, bk, bj)

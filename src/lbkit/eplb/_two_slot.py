@@ -11,12 +11,12 @@ import numpy as np
 from lbkit.core._jit import jit
 from lbkit.eplb._bound_kernels import subproblem_bound
 from lbkit.eplb._primitives import (
-    _REL_TOL,
-    _argmax,
-    _count_duplicates,
-    _recompute_loads,
-    _repair_duplicates,
+    REL_TOL,
     apportion_minmax,
+    argmax,
+    count_duplicates,
+    recompute_loads,
+    repair_duplicates,
 )
 
 __all__ = ["TWO_SLOT_RECEIVERS", "solve_two_slot", "two_slot_counts"]
@@ -37,9 +37,9 @@ def _pair_walk(size, cnt, order, num_gpus, limit, crit):
     Expert ``e`` has ``cnt[e]`` replicas of ``size[e]``; ``order`` lists the experts by
     decreasing size. For fixed counts this pairing minimises the largest pair (exchange
     argument). Returns ``(top, ntop, partner)``: the largest pair sum, the number of pairs within
-    a relative ``_REL_TOL`` of it and the largest small-side replica among those pairs; or
+    a relative ``REL_TOL`` of it and the largest small-side replica among those pairs; or
     ``(inf, 0, 0.0)`` as soon as a pair exceeds ``limit``. When ``crit`` is not empty, the experts
-    of every pair within ``_REL_TOL`` of ``limit`` are marked in it. O(E).
+    of every pair within ``REL_TOL`` of ``limit`` are marked in it. O(E).
     """
     num_log = order.shape[0]
     i = 0
@@ -58,14 +58,14 @@ def _pair_walk(size, cnt, order, num_gpus, limit, crit):
         v = size[a] + size[b]
         if v > limit:
             return np.inf, 0, 0.0
-        if v > top * (1.0 + _REL_TOL):
+        if v > top * (1.0 + REL_TOL):
             top = v
             ntop = take
             partner = size[b]
-        elif v >= top * (1.0 - _REL_TOL):
+        elif v >= top * (1.0 - REL_TOL):
             ntop += take
             partner = max(partner, size[b])
-        if crit.shape[0] > 0 and v >= limit * (1.0 - _REL_TOL):
+        if crit.shape[0] > 0 and v >= limit * (1.0 - REL_TOL):
             crit[a] = True
             crit[b] = True
         pairs += take
@@ -182,7 +182,7 @@ def two_slot_counts(w, num_gpus, good_enough, max_steps, fresh, cnt):
             grown = w[d] / (cnt[d] - 1)
             for r in range(num_log):
                 # The donor's larger replica pairs with a replica no smaller than the smallest.
-                if r == d or not recv[r] or grown + min(smallest, key[r]) > bv * (1.0 + _REL_TOL):
+                if r == d or not recv[r] or grown + min(smallest, key[r]) > bv * (1.0 + REL_TOL):
                     continue
                 sd = size[d]
                 sr = size[r]
@@ -191,8 +191,8 @@ def two_slot_counts(w, num_gpus, good_enough, max_steps, fresh, cnt):
                 size[d] = grown
                 size[r] = key[r]
                 _moved_order(order, size, d, r, trial)
-                v, nv, _ = _pair_walk(size, cnt, trial, num_gpus, bv * (1.0 + _REL_TOL), no_mark)
-                if v < bv * (1.0 - _REL_TOL) or (v <= bv * (1.0 + _REL_TOL) and nv < bn):
+                v, nv, _ = _pair_walk(size, cnt, trial, num_gpus, bv * (1.0 + REL_TOL), no_mark)
+                if v < bv * (1.0 - REL_TOL) or (v <= bv * (1.0 + REL_TOL) and nv < bn):
                     bv = v
                     bn = nv
                     bd = d
@@ -220,7 +220,7 @@ def _ballot_violation(size, cnt, order, cap):
     ``2 G`` replicas, none means the sorted pairing keeps every GPU within ``cap`` (Hall's
     condition: replicas above ``cap / 2`` need distinct partners of at most ``cap - x``)."""
     num_log = order.shape[0]
-    tol = _REL_TOL * cap
+    tol = REL_TOL * cap
     demand = 0
     supply = 0
     p = num_log - 1
@@ -288,12 +288,12 @@ def _ballot_counts(w, num_gpus, cap, cnt):
             for e in range(num_log):
                 if e == b:
                     continue
-                if size[e] <= u + _REL_TOL * cap:
+                if size[e] <= u + REL_TOL * cap:
                     k = 1
                     gain = 1.0
                 else:
                     c = int(np.ceil(w[e] / u))
-                    if w[e] / c > u + _REL_TOL * cap:
+                    if w[e] / c > u + REL_TOL * cap:
                         c += 1
                     k = c - cnt[e]
                     gain = float(c)
@@ -335,7 +335,7 @@ def _two_slot_second_start(w, num_gpus, good_enough, top, cnt):
             size[e] = w[e] / trial[e]
         order = np.argsort(-size, kind="mergesort")
         v, _, _ = _pair_walk(size, trial, order, num_gpus, np.inf, no_mark)
-        if v < best_v * (1.0 - _REL_TOL):
+        if v < best_v * (1.0 - REL_TOL):
             best_v = v
             best[:] = trial
             found = True
@@ -343,7 +343,7 @@ def _two_slot_second_start(w, num_gpus, good_enough, top, cnt):
     if not found:
         return top
     v = two_slot_counts(w, num_gpus, good_enough, TWO_SLOT_STEPS_PER_GPU * num_gpus, False, best)
-    if v < top * (1.0 - _REL_TOL):
+    if v < top * (1.0 - REL_TOL):
         cnt[:] = best
         return v
     return top
@@ -381,7 +381,7 @@ def solve_two_slot(w, num_gpus, stop_gap, target, cnt, gpu_exp):
 
     Counts by :func:`two_slot_counts` (stopping once within ``stop_gap`` of
     :func:`subproblem_bound`, or at ``target``), the sorted pairing, then
-    :func:`_repair_duplicates` separates two replicas of one expert on a GPU where a swap keeps
+    :func:`repair_duplicates` separates two replicas of one expert on a GPU where a swap keeps
     the maximum.
 
     Runtime complexity: O(T × E × K × E) for ``T <= TWO_SLOT_STEPS_PER_GPU × G`` count-search
@@ -405,8 +405,8 @@ def solve_two_slot(w, num_gpus, stop_gap, target, cnt, gpu_exp):
     order = np.argsort(-size, kind="mergesort")
     _pair_out(cnt, order, num_gpus, gpu_exp)
     load = np.empty(num_gpus)
-    _recompute_loads(size, gpu_exp, load)
-    best = load[_argmax(load)]
-    if _count_duplicates(gpu_exp) > 0:
-        _repair_duplicates(size, gpu_exp, load, best)
-    return load[_argmax(load)]
+    recompute_loads(size, gpu_exp, load)
+    best = load[argmax(load)]
+    if count_duplicates(gpu_exp) > 0:
+        repair_duplicates(size, gpu_exp, load, best)
+    return load[argmax(load)]

@@ -59,7 +59,7 @@ from lbkit.eplb._bound_kernels import subproblem_bound
 from lbkit.eplb._count_search import solve_subproblem
 from lbkit.eplb._exact import EXACT_MAX_REPLICAS
 from lbkit.eplb._partition import PARTITION_BUDGET, partition_groups
-from lbkit.eplb._plan import EplbPlan, _finish_plan, _rebalance_iv
+from lbkit.eplb._plan import EplbPlan, finish_plan, rebalance_iv
 from lbkit.eplb._two_slot import solve_two_slot
 from lbkit.eplb.greedy import greedy_plan
 
@@ -118,7 +118,7 @@ def balanced_rebalance(
     >>> moe_lb(weight, plan.phy2log, num_gpus=8)
     array([1.0532..., 1.1903...])
     """
-    problem = _rebalance_iv(weight, num_replicas, num_groups, num_nodes, num_gpus, policy)
+    problem = rebalance_iv(weight, num_replicas, num_groups, num_nodes, num_gpus, policy)
     w = problem.weight
     layers, experts = w.shape
     args = (w, problem.num_replicas, problem.num_groups, problem.num_nodes, problem.num_gpus)
@@ -138,7 +138,7 @@ def balanced_rebalance(
     if use_greedy.any():
         phy2log[use_greedy] = g_phy2log[use_greedy]
         logcnt[use_greedy] = g_logcnt[use_greedy]
-    return _finish_plan(problem, phy2log, logcnt)
+    return finish_plan(problem, phy2log, logcnt)
 
 
 def uses_two_slot_plan(num_replicas: int, num_nodes: int, num_gpus: int) -> bool:

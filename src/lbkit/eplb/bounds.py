@@ -37,7 +37,7 @@ import numpy as np
 
 from lbkit.core import metrics
 from lbkit.eplb import _bound_kernels as _kernels
-from lbkit.eplb._plan import _rebalance_iv
+from lbkit.eplb._plan import rebalance_iv
 
 __all__ = ["lower_bound", "moe_lb"]
 
@@ -101,7 +101,7 @@ def lower_bound(
     >>> lower_bound([[100.0, 1.0, 1.0, 1.0, 1.0]], 6, 1, 1, 3)
     array([1.4711...])
     """
-    problem = _rebalance_iv(weight, num_replicas, num_groups, num_nodes, num_gpus, policy)
+    problem = rebalance_iv(weight, num_replicas, num_groups, num_nodes, num_gpus, policy)
     w = problem.weight
     out = np.empty(w.shape[0])
     _kernels.lower_bound_layers(

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from lbkit.core._jit import entry, jit
-from lbkit.eplb._plan import EplbPlan, _finish_plan, _rebalance_iv
+from lbkit.eplb._plan import EplbPlan, finish_plan, rebalance_iv
 
 __all__ = ["balanced_packing", "greedy_plan", "greedy_rebalance", "warmup"]
 
@@ -64,7 +64,7 @@ def greedy_rebalance(
     array([[ 5,  6,  5,  7,  8,  4,  3,  4, 10,  9, 10,  2,  0,  1, 11,  1],
            [ 7, 10,  6,  8,  6, 11,  8,  9,  2,  4,  5,  1,  5,  0,  3,  1]])
     """
-    problem = _rebalance_iv(weight, num_replicas, num_groups, num_nodes, num_gpus, policy)
+    problem = rebalance_iv(weight, num_replicas, num_groups, num_nodes, num_gpus, policy)
     layers, experts = problem.weight.shape
     phy2log = np.empty((layers, problem.num_replicas), dtype=np.int64)
     phyrank = np.empty_like(phy2log)
@@ -79,7 +79,7 @@ def greedy_rebalance(
         phyrank,
         logcnt,
     )
-    return _finish_plan(problem, phy2log, logcnt, phyrank)
+    return finish_plan(problem, phy2log, logcnt, phyrank)
 
 
 #: Loads are scaled into float32 by a power of two when a layer's largest load is above this:

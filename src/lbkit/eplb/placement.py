@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from lbkit.core.validation import as_int_array, check_int
-from lbkit.eplb._plan import _resolve_policy
+from lbkit.eplb._plan import resolve_policy
 
 __all__ = ["check_placement", "is_valid_placement"]
 
@@ -116,7 +116,7 @@ def check_placement(
         return
     num_groups = check_int(num_groups, "num_groups", min_value=1)
     num_nodes = check_int(num_nodes, "num_nodes", min_value=1)
-    if not _resolve_policy(policy, num_groups, num_nodes):
+    if not resolve_policy(policy, num_groups, num_nodes):
         return
     if num_experts % num_groups:
         raise ValueError(

@@ -83,7 +83,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from lbkit.core.validation import as_int_array, check_choice, check_int, check_real
-from lbkit.eplb._plan import EplbPlan, _finish_plan, _rebalance_iv
+from lbkit.eplb._plan import EplbPlan, finish_plan, rebalance_iv
 from lbkit.eplb._regroup import old_partition
 from lbkit.eplb._replan_candidates import replan_all
 from lbkit.eplb._replan_choice import DEFAULT_TOLERANCE, replan_mean, replan_total
@@ -186,7 +186,7 @@ class ReplanTradeoff(NamedTuple):
     worst_moe_lb: np.ndarray
 
 
-def _replan_iv(
+def replan_iv(
     weight: Any,
     previous_phy2log: Any,
     num_replicas: Any,
@@ -200,7 +200,7 @@ def _replan_iv(
     regroup_tolerance: Any,
     tolerance_scope: Any = "mean",
 ) -> ReplanArgs:
-    problem = _rebalance_iv(weight, num_replicas, num_groups, num_nodes, num_gpus, policy)
+    problem = rebalance_iv(weight, num_replicas, num_groups, num_nodes, num_gpus, policy)
     layers, experts = problem.weight.shape
     slots = problem.num_replicas
     prev = np.array(as_int_array(previous_phy2log, "previous_phy2log", ndim=2))  # own copy
@@ -251,7 +251,7 @@ def _replan_iv(
     )
 
 
-def _moves_list(prev: np.ndarray, new: np.ndarray, num_gpus: int, num_nodes: int) -> ExpertMoves:
+def moves_list(prev: np.ndarray, new: np.ndarray, num_gpus: int, num_nodes: int) -> ExpertMoves:
     slots = prev.shape[1]
     per_gpu = slots // num_gpus
     gpus_per_node = num_gpus // max(num_nodes, 1)
@@ -373,7 +373,7 @@ def replan_experts(
     >>> bool(np.array_equal(apply_moves(old.phy2log, r.moves), r.plan.phy2log))
     True
     """
-    args = _replan_iv(
+    args = replan_iv(
         weight,
         previous_phy2log,
         num_replicas,
@@ -399,10 +399,10 @@ def replan_experts(
     logcnt = np.zeros_like(p.weight, dtype=np.int64)
     layers, slots = phy2log.shape
     np.add.at(logcnt, (np.repeat(np.arange(layers), slots), phy2log.ravel()), 1)
-    plan = _finish_plan(p, phy2log, logcnt)
+    plan = finish_plan(p, phy2log, logcnt)
     return ReplanResult(
         plan,
-        _moves_list(args.previous, phy2log, p.num_gpus, args.num_nodes),
+        moves_list(args.previous, phy2log, p.num_gpus, args.num_nodes),
         moves,
         moe_lb(p.weight, phy2log, num_gpus=p.num_gpus),
         moe_lb(p.weight, args.previous, num_gpus=p.num_gpus),

@@ -34,16 +34,16 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from lbkit.core.validation import as_float_array, as_int_array, check_int, check_real
-from lbkit.eplb._plan import EplbPlan, _finish_plan, _rebalance_iv
+from lbkit.eplb._plan import EplbPlan, finish_plan, rebalance_iv
 from lbkit.eplb.bounds import lower_bound, moe_lb
 from lbkit.eplb.placement import check_placement
 from lbkit.eplb.rebalance import rebalance_experts
 from lbkit.eplb.replan import (
     DEFAULT_TOLERANCE,
     ExpertMoves,
-    _moves_list,
-    _replan_iv,
+    moves_list,
     replan_experts,
+    replan_iv,
 )
 
 __all__ = ["EplbScheduler", "EplbSchedulerStats", "RebalanceDecision"]
@@ -163,7 +163,7 @@ class EplbScheduler:
         num_layers = check_int(num_layers, "num_layers", min_value=1)
         num_experts = check_int(num_experts, "num_experts", min_value=1)
         ones = np.ones((num_layers, num_experts))
-        self._problem = _rebalance_iv(ones, num_replicas, num_groups, num_nodes, num_gpus, policy)
+        self._problem = rebalance_iv(ones, num_replicas, num_groups, num_nodes, num_gpus, policy)
         self._sizes = (int(num_replicas), int(num_groups), int(num_nodes), int(num_gpus))
         self._policy = "hierarchical" if self._problem.hierarchical else "global"
         self._window = check_int(window, "window", min_value=1)
@@ -189,7 +189,7 @@ class EplbScheduler:
         else:
             phy2log = self._check_phy2log(initial_phy2log, "initial_phy2log")
         # Validate the budgets once (replan_experts would raise later otherwise).
-        _replan_iv(ones, phy2log, *self._sizes, self._policy, max_moves, max_moves_total,
+        replan_iv(ones, phy2log, *self._sizes, self._policy, max_moves, max_moves_total,
                    tolerance, 0.0, tolerance_scope)  # fmt: skip
         self._scope = str(tolerance_scope)
         self._phy2log = phy2log
@@ -207,7 +207,7 @@ class EplbScheduler:
     def _check_phy2log(self, value: Any, name: str) -> np.ndarray:
         ones = np.ones(self._problem.weight.shape)
         try:
-            args = _replan_iv(ones, value, *self._sizes, self._policy, None, None, 0.0, 0.0)
+            args = replan_iv(ones, value, *self._sizes, self._policy, None, None, 0.0, 0.0)
         except ValueError as exc:
             raise ValueError(str(exc).replace("previous_phy2log", name, 1)) from None
         return args.previous.copy()
@@ -226,7 +226,7 @@ class EplbScheduler:
         layers, slots = phy2log.shape
         logcnt = np.zeros(self._problem.weight.shape, dtype=np.int64)
         np.add.at(logcnt, (np.repeat(np.arange(layers), slots), phy2log.ravel()), 1)
-        return _finish_plan(self._problem, phy2log.copy(), logcnt)
+        return finish_plan(self._problem, phy2log.copy(), logcnt)
 
     def window_load(self) -> np.ndarray | None:
         """The load estimate ``[num_layers, num_experts]`` (``None`` before any recording)."""
@@ -324,7 +324,7 @@ class EplbScheduler:
         after = float(self._score(new, loads).mean())
         if before - after < self._min_gain * before:
             return self._skip("gain below min_gain", before, after)
-        move_list = _moves_list(self._phy2log, new, g, self._sizes[2])
+        move_list = moves_list(self._phy2log, new, g, self._sizes[2])
         self._phy2log = new
         self._last_replan_s = now_s
         self._num_replans += 1

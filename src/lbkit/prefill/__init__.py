@@ -13,12 +13,15 @@ Pure decision functions (numpy in, indices or NamedTuples out):
 :class:`PrefillBalancer` (``balancer.py``) embeds them in a router, configured by three frozen
 option objects (``options.py``): :class:`RankChoice` (the rank-choice rule), :class:`Buckets`
 (length buckets and engine bounds) and :class:`Rounds` (re-planning of engines). Its parts:
+``control.py`` (its pool-level methods: rounds, engines out of service and back, engine
+reports), ``pool.py`` (the engines' buckets and service states, the routing layout),
 ``ledger.py`` (requests and per-rank sums), ``choice.py`` (the rank-choice rules),
-``results.py`` (what its methods return), ``persistence.py`` (saved states) and ``legacy.py``
-(the old keyword options). :class:`PrefixIndex` (``prefix_index.py``) gives it the cached prefix
-tokens of a request on every rank, fed by the engines' KV-cache events or by the router's own
-admissions. ``foreign.py`` holds the load other router replicas queued on the ranks
-(:meth:`PrefillBalancer.set_foreign_load`).
+``rounds.py`` (a round's re-plan), ``results.py`` (what its methods return),
+``persistence.py`` (saved states) and ``legacy.py`` (the old keyword options).
+:class:`PrefixIndex` (``prefix_index.py``) gives it the cached prefix tokens of a request on
+every rank, fed by the engines' KV-cache events or by the router's own admissions.
+``foreign.py`` holds the load other router replicas queued on the ranks
+(:meth:`PrefillBalancer.set_foreign_load`) and its form in a shared store.
 """
 
 from lbkit.prefill.apportion import (

@@ -113,10 +113,11 @@ def bottleneck(demand: Any, engines: Any, /) -> float:
     """
     d = as_float_array(demand, "demand", ndim=1, nonnegative=True)
     s = as_int_array(engines, "engines", shape=d.shape, min_value=0)
-    return _bottleneck(d, s)
+    return bottleneck_unchecked(d, s)
 
 
-def _bottleneck(d: np.ndarray, s: np.ndarray) -> float:
+def bottleneck_unchecked(d: np.ndarray, s: np.ndarray) -> float:
+    """:func:`bottleneck` of clean arrays (``d`` float, ``s`` int of the same shape), unchecked."""
     if s.sum() == 0:
         return float(np.inf) if d.sum() > 0 else 0.0
     server = _serving(s)
@@ -158,7 +159,7 @@ def _allocate_iv(
 
 
 def _pack(d: np.ndarray, s: np.ndarray) -> Allocation:
-    return Allocation(s, _serving(s), _bottleneck(d, s))
+    return Allocation(s, _serving(s), bottleneck_unchecked(d, s))
 
 
 def _divisor(

@@ -1,6 +1,8 @@
 """``PrefillBalancer``: the stateful prefill router that a serving front end embeds.
 
-The class is a façade over the modules of this package; a newcomer can read it top to bottom:
+The class is a façade over the modules of this package; a newcomer can read it top to bottom.
+This file holds its set-up and the request path; :class:`~lbkit.prefill.control.PoolControl`
+(``control.py``), which it inherits, the methods that act on the pool:
 
 - options (:mod:`~lbkit.prefill.options`): :class:`RankChoice`, :class:`Buckets`,
   :class:`Rounds`, frozen and self-validating; the defaults are what ``lbkit bench`` measures.
@@ -11,79 +13,64 @@ The class is a façade over the modules of this package; a newcomer can read it 
   the rank the request's quota (:meth:`QuadraticCost.quota` of its uncached tokens);
 - **chunk_done / finish / record / reassign** record progress in the ledger
   (:mod:`~lbkit.prefill.ledger`: the per-request quotas and the per-rank sums);
-- **end_round** re-plans the engines of each bucket from the round's demand, EMA-smoothed
-  (:func:`rebalance`: Adams' apportionment under hysteresis);
-- **remove_engine / restore_engine** take an engine out of service (its requests are re-routed
-  and returned, none lost) and back; engine states are :mod:`lbkit.core.engines`';
-- **report** ingests engine-reported progress by sequence number (stale reports are ignored) and
-  measures how far the ledger had drifted;
-- **set_foreign_load** adds the load other routers queued on the ranks (router replicas in
-  front of one pool; :mod:`~lbkit.prefill.foreign`): it counts in every decision, in no request;
 - **plan_engine** runs :func:`plan_chunks` on each rank's FIFO queue;
 - **statistics / _check / state_dict / from_state_dict** (:mod:`~lbkit.prefill.results`,
-  :mod:`~lbkit.prefill.persistence`).
+  :mod:`~lbkit.prefill.persistence`);
+- in ``control.py``: **end_round** re-plans the engines of each bucket from the round's demand,
+  EMA-smoothed (:func:`rebalance`: Adams' apportionment under hysteresis); **remove_engine /
+  restore_engine** take an engine out of service (its requests are re-routed and returned, none
+  lost) and back; **report** ingests engine-reported progress by sequence number (stale reports
+  are ignored) and measures how far the ledger had drifted; **set_foreign_load** adds the load
+  other routers queued on the ranks (router replicas in front of one pool;
+  :mod:`~lbkit.prefill.foreign`): it counts in every decision, in no request.
 
-Engine reports
---------------
-An engine reports, with an increasing sequence number, the cumulative prefilled tokens of the
-requests it holds (not bare per-rank loads: a load alone cannot say which request progressed,
-so it could not be reconciled into a per-request ledger). Progress is monotone, so a report only
-ever moves a request forward; a report whose sequence number is not newer than the last accepted
-one is stale and ignored. ``drift_s`` is how far the ledger's remaining quota was from the
-report's before reconciliation, summed over the reported requests.
-
-Moving engines
---------------
-A moving engine stops taking new work at once and joins its new bucket when its queue is empty
-(it drains; it does not hand its queue back: the prefill already done on it, and the KV it holds,
-would be lost). An engine taken out of service, in contrast, hands its requests back: they are
-re-routed from the start of their uncached tokens (``done`` resets to 0).
+The engines' buckets, service states (:mod:`lbkit.core.engines`, shared with the decode
+balancer) and routing layout are an :class:`~lbkit.prefill.pool.EnginePool` (``pool.py``:
+moving engines drain first). With a store shared by router replicas, the ledger's load is
+published and the others' viewed through :func:`~lbkit.prefill.foreign.store_columns` and
+:func:`~lbkit.prefill.foreign.set_from_store`.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable
 from typing import Any
 
 import numpy as np
 
 from lbkit.core.cost import QuadraticCost
-from lbkit.core.engines import ACTIVE, DRAINING, OUT, STATE_NAMES
 from lbkit.core.replica import ReplicaLink, Store, replica_id_iv
-from lbkit.core.validation import as_int_array, as_rng, check_int
-from lbkit.prefill._kernels import int_bounds
-from lbkit.prefill.apportion import allocate_engines, serving_buckets
-from lbkit.prefill.choice import RankChooser, layout
+from lbkit.core.validation import as_rng, check_int
+from lbkit.prefill.apportion import allocate_engines
+from lbkit.prefill.choice import RankChooser
 from lbkit.prefill.chunking import ChunkPlan, plan_chunks
-from lbkit.prefill.foreign import ForeignLoad, foreign_iv
-from lbkit.prefill.ledger import Ledger, Request, as_request_id, as_time, as_tokens
+from lbkit.prefill.control import PoolControl
+from lbkit.prefill.foreign import set_from_store, store_columns
+from lbkit.prefill.ledger import (
+    Ledger,
+    Request,
+    as_request_id,
+    as_time,
+    as_tokens,
+    hits_iv,
+    route_iv,
+)
 from lbkit.prefill.legacy import from_keywords
 from lbkit.prefill.options import Buckets, RankChoice, Rounds
-from lbkit.prefill.persistence import (
-    COUNTERS,
-    STATE_VERSION,
-    config_dict,
-    read_config,
-    read_state,
-)
+from lbkit.prefill.persistence import COUNTERS, Persistent
+from lbkit.prefill.pool import EnginePool
 from lbkit.prefill.results import (
     EnginePlan,
     PrefillStatistics,
-    ReportResult,
-    RoundResult,
     RouteDecision,
 )
-from lbkit.prefill.rounds import replan, smoothed_demand
 
 __all__ = ["PrefillBalancer"]
 
-#: Units of the quota and work a store holds (integers): nanoseconds.
-STORE_NS = 1e9
 
-
-class PrefillBalancer:
+class PrefillBalancer(PoolControl, Persistent):
     """Route prefill requests to engines and ranks of a pool, re-planning engines per bucket.
 
     Parameters
@@ -222,18 +209,14 @@ class PrefillBalancer:
                 raise ValueError(
                     f"initial_engines: must sum to num_engines ({e}), got {int(counts.sum())}"
                 )
-        self._home = np.repeat(np.arange(nb, dtype=np.int64), counts)
-        self._state = np.full(e, ACTIVE, dtype=np.int8)
-        self._last_move = np.full(e, -np.inf)
-        self._seq = np.full(e, -1, dtype=np.int64)
         self._ledger = Ledger(e, self._ranks, cost)
+        self._pool = EnginePool(np.repeat(np.arange(nb, dtype=np.int64), counts), nb, self._ledger)
         self._round_quota = [0.0] * nb
         self._round_start = now
         self._demand = np.zeros(nb)
         self._counts = dict.fromkeys(COUNTERS, 0)
         self._drift_last = 0.0
         self._drift_max = 0.0
-        self._rebuild()
         self._link: ReplicaLink | None = None
         if rid is not None:
             self._attach(store, rid)
@@ -285,80 +268,15 @@ class PrefillBalancer:
         copy; without the foreign load)."""
         return self._ledger.rank_loads()
 
-    def foreign_load(self) -> ForeignLoad:
-        """The foreign load in force, per flat rank (copies; zeros until
-        :meth:`set_foreign_load`)."""
-        return ForeignLoad(*self._ledger.foreign())
-
-    def own_load(self) -> ForeignLoad:
-        """This ledger's own load per flat rank (copies; without the foreign load), in the
-        shape that :meth:`set_foreign_load` takes: what this router contributes to another
-        router's foreign load.
-
-        Examples
-        --------
-        >>> from lbkit.core import PRESETS
-        >>> bal = PrefillBalancer(1, 2, cost=PRESETS["unit"].prefill)
-        >>> _ = bal.route("a", 100, now_s=0.0)
-        >>> bal.own_load().num_requests.tolist()
-        [1, 0]
-        """
-        return ForeignLoad(*self._ledger.own_flat())
-
-    def set_foreign_load(self, *, quota_s: Any, work_s: Any, num_requests: Any) -> None:
-        """Set the load that other routers queued on the ranks (replacing the previous one).
-
-        It counts in every later routing decision (each rule reads the ledger's sums plus this
-        load) and in :meth:`end_round`'s re-plan, but in no request of the ledger
-        (:mod:`lbkit.prefill.foreign`).
-
-        Parameters
-        ----------
-        quota_s : array_like of float, shape (num_ranks,)
-            Remaining quota of other routers' requests per flat rank, seconds (>= 0).
-        work_s : array_like of float, shape (num_ranks,)
-            Their step-time work (quota plus routed-expert seconds of the remaining tokens),
-            seconds (>= 0).
-        num_requests : array_like of int, shape (num_ranks,)
-            Their requests per flat rank (>= 0).
-
-        Raises
-        ------
-        ValueError, TypeError
-            A wrong shape, a negative, non-finite or (for requests) non-integer value; nothing
-            changes.
-
-        Runtime complexity: O(requests + ranks) (every rank's sums are re-summed).
-
-        Examples
-        --------
-        >>> from lbkit.core import PRESETS
-        >>> bal = PrefillBalancer(2, 1, cost=PRESETS["h800_dsv3"].prefill,
-        ...                       choice=RankChoice(rule="least_load"))
-        >>> bal.set_foreign_load(quota_s=[2.0, 0.0], work_s=[2.5, 0.0], num_requests=[1, 0])
-        >>> bal.route("a", 1000, now_s=0.0).engine
-        1
-        >>> bal.rank_loads().tolist()[0], bal.statistics().rank_foreign_load
-        (0.0, (2.0, 0.0))
-        """
-        new = foreign_iv(quota_s, work_s, num_requests, self.num_ranks)
-        self._ledger.set_foreign(*new)
-
     # ------------------------------------------------------------------ store
-    def _own(self) -> np.ndarray:
-        quota, work, count = self._ledger.own_flat()
-        return np.stack([count, np.rint(quota * STORE_NS).astype(np.int64),
-                         np.rint(work * STORE_NS).astype(np.int64)])  # fmt: skip
-
     def _pull(self) -> None:
         """View the store before a decision: its foreign load replaces ours."""
-        f = self._link.view(self._own())
-        self._ledger.set_foreign(f[1] / STORE_NS, f[2] / STORE_NS, f[0].copy())
+        set_from_store(self._ledger, self._link.view(store_columns(self._ledger)))
 
     def _push(self) -> None:
         """Publish the ledger's per-rank load after a change."""
         if self._link is not None:
-            self._link.publish(self._own())
+            self._link.publish(store_columns(self._ledger))
 
     def _store_counts(self) -> dict[str, int]:
         return {} if self._link is None else self._link.statistics()
@@ -369,24 +287,11 @@ class PrefillBalancer:
         rank = check_int(rank, "rank", min_value=0, max_value=self._ranks - 1)
         return tuple(self._ledger.queues[engine * self._ranks + rank])
 
-    def round_due(self, now_s: float) -> bool:
-        """Whether the current round is over: ``round_s`` seconds (``cold_start_s`` for the
-        first round under a cold start) have passed since it started."""
-        length = self._rounds.round_s
-        if self._rounds.cold_start_s is not None and self._counts["rounds"] == 0:
-            length = self._rounds.cold_start_s
-        return as_time(now_s) - self._round_start >= length
-
     # ------------------------------------------------------------------ routing
-    def _rebuild(self) -> None:
-        """Recompute the routing slices after engines changed state or bucket."""
-        self._layout = layout(self._home, self._state, self.num_buckets, self._ranks)
-        self._order = np.asarray(self._layout.order, dtype=np.int64)
-        self._ledger.relayout(self._layout.order)
-
     def _choose(self, bucket: int, total: int, cached: int, hits: Any) -> tuple[int, str, int]:
+        pool = self._pool
         return self._chooser.choose(
-            self._ledger, self._layout, self._order, bucket, total, cached, hits
+            self._ledger, pool.layout, pool.order, bucket, total, cached, hits
         )
 
     def route(
@@ -432,7 +337,7 @@ class PrefillBalancer:
         hits = None
         full = False  # some rank holds the whole prompt
         if type(cached_tokens) is not int and isinstance(cached_tokens, (np.ndarray, list, tuple)):
-            hits, cached_tokens, full = self._hits_iv(cached_tokens, total_tokens)
+            hits, cached_tokens, full = hits_iv(cached_tokens, total_tokens, self.num_ranks)
         if not (
             type(total_tokens) is int
             and type(cached_tokens) is int
@@ -441,7 +346,7 @@ class PrefillBalancer:
             and type(now_s) is float
             and now_s - now_s == 0.0  # excludes NaN and infinities
         ):
-            total_tokens, cached_tokens, now_s = self._route_iv(total_tokens, cached_tokens, now_s)
+            total_tokens, cached_tokens, now_s = route_iv(total_tokens, cached_tokens, now_s)
         if type(request_id) is not int and type(request_id) is not str:
             request_id = as_request_id(request_id)
         led = self._ledger
@@ -466,41 +371,6 @@ class PrefillBalancer:
         self._counts["routed"] += 1
         self._push()
         return RouteDecision(flat // self._ranks, flat % self._ranks, bucket, reason)
-
-    def _hits_iv(self, cached_tokens: Any, total_tokens: Any) -> tuple[np.ndarray, int, bool]:
-        # Per-rank cached tokens, their least and whether one is the whole prompt. The common
-        # case, an int64 array of the right shape and a valid total, costs one kernel pass;
-        # anything else is validated in full.
-        n = self.num_ranks
-        if (
-            type(cached_tokens) is np.ndarray
-            and cached_tokens.dtype == np.int64
-            and cached_tokens.shape == (n,)
-            and type(total_tokens) is int
-        ):
-            lo, hi = int_bounds(cached_tokens)
-            if 0 <= lo and hi <= total_tokens:
-                return cached_tokens, int(lo), hi == total_tokens
-        total = as_tokens(total_tokens, "total_tokens")
-        hits = as_int_array(cached_tokens, "cached_tokens", shape=(n,), min_value=0)
-        if not hits.shape[0]:
-            return hits, 0, False
-        hi = int(hits.max())
-        if hi > total:
-            raise ValueError(
-                f"cached_tokens: must be <= total_tokens ({total}) on every rank, got {hi}"
-            )
-        return hits, int(hits.min()), hi == total
-
-    @staticmethod
-    def _route_iv(total_tokens: Any, cached_tokens: Any, now_s: Any) -> tuple[int, int, float]:
-        total = as_tokens(total_tokens, "total_tokens")
-        cached = as_tokens(cached_tokens, "cached_tokens")
-        if total == 0:
-            raise ValueError("total_tokens: must be >= 1, got 0")
-        if cached > total:
-            raise ValueError(f"cached_tokens: must be <= total_tokens ({total}), got {cached}")
-        return total, cached, as_time(now_s)
 
     # ------------------------------------------------------------------ progress
     def chunk_done(self, request_id: Hashable, tokens: int, *, now_s: float) -> int:
@@ -588,7 +458,7 @@ class PrefillBalancer:
         left = req.total - req.cached - req.done
         self._ledger.drop(req)
         self._counts["finished"] += 1
-        self._maybe_join(req.rank // self._ranks)
+        self._pool.join_if_drained(req.rank // self._ranks)
         self._push()
         return left
 
@@ -631,185 +501,13 @@ class PrefillBalancer:
         self._counts["finished"] += n_fin
         if n_fin:
             for e in sorted({f // self._ranks for f in touched}):
-                self._maybe_join(e)
+                self._pool.join_if_drained(e)
         self._push()
         return n_fin
-
-    def _maybe_join(self, engine: int) -> None:
-        if self._state[engine] == DRAINING and self._ledger.engine_requests(engine) == 0:
-            self._state[engine] = ACTIVE
-            self._rebuild()
-
-    # ------------------------------------------------------------------ rounds
-    def end_round(self, now_s: float) -> RoundResult:
-        """Close the round: update the demand EMA and move engines between buckets.
-
-        The round's demand per bucket is the quota routed to it divided by the round's length.
-        Engines are re-planned by :func:`rebalance` over the engines in service; engines that
-        move stop taking work and join their new bucket once drained (at once if idle). Under
-        ``max_drain_s``, engines holding more work than that stay. Under ``cold_start_s``, the
-        first round's re-plan ignores the deadband and ``max_moves``.
-
-        Raises
-        ------
-        ValueError
-            ``now_s`` not after the start of the round.
-        """
-        now = as_time(now_s)
-        elapsed = now - self._round_start
-        if not elapsed > 0:
-            raise ValueError(
-                f"now_s: must be after the start of the round ({self._round_start}), got {now}"
-            )
-        first = self._counts["rounds"] == 0
-        quota = self._round_quota
-        if self._link is not None:  # the fleet's demand, summed in the store
-            self._pull()
-            quota = self._link.round_demand(quota)
-        self._demand = smoothed_demand(self._rounds, self._demand, quota, elapsed, first)
-        loads = self._ledger.total_loads().reshape(self._num_engines, self._ranks)
-        result = replan(self._rounds, self._home, self._state, self._last_move, loads,
-                        self._demand, now_s=now, first=first, min_engines=self._min_engines,
-                        max_engines=self._max_engines)  # fmt: skip
-        if self._link is not None:  # the leader publishes its plan, a follower applies it
-            result = self._link.round_plan(result, self._home, self._state != OUT)
-        if result is not None:
-            for mv in result.moves:
-                self._home[mv.engine] = mv.to_bucket
-                self._last_move[mv.engine] = now
-                busy = self._ledger.engine_requests(mv.engine) > 0
-                self._state[mv.engine] = DRAINING if busy else ACTIVE
-            self._counts["moves"] += len(result.moves)
-            self._rebuild()
-        self._counts["rounds"] += 1
-        self._round_quota = [0.0] * self.num_buckets
-        self._round_start = now
-        counts = np.bincount(self._home[self._state != OUT], minlength=self.num_buckets)
-        if result is None:
-            return RoundResult((), tuple(self._demand.tolist()), tuple(counts.tolist()),
-                               float("inf"), float("inf"))  # fmt: skip
-        return RoundResult(
-            result.moves,
-            tuple(self._demand.tolist()),
-            tuple(counts.tolist()),
-            result.bottleneck_before,
-            result.bottleneck_after,
-        )
 
     # ------------------------------------------------------------------ engines
     def _engine_iv(self, engine: Any) -> int:
         return check_int(engine, "engine", min_value=0, max_value=self._num_engines - 1)
-
-    def remove_engine(
-        self, engine: int, *, now_s: float
-    ) -> tuple[tuple[Hashable, RouteDecision], ...]:
-        """Take an engine out of service; re-route its requests and return where they went.
-
-        The requests restart their uncached tokens elsewhere (prefill progress on the removed
-        engine is lost). If no engine is left in service they are handed back: removed from the
-        ledger and returned with reason ``"no_engine"``.
-
-        Raises
-        ------
-        ValueError
-            Unknown engine or an engine already out of service.
-        """
-        engine = self._engine_iv(engine)
-        as_time(now_s)
-        if self._state[engine] == OUT:
-            raise ValueError(f"engine: {engine} is already out of service")
-        self._state[engine] = OUT
-        self._rebuild()
-        r = self._ranks
-        led = self._ledger
-        moved: list[tuple[Hashable, RouteDecision]] = []
-        for f in range(engine * r, engine * r + r):
-            for req in list(led.queues[f].values()):
-                led.drop(req)
-                slot, reason, _ = self._choose(req.bucket, req.total, req.cached, None)
-                if slot < 0:
-                    self._counts["handed_back"] += 1
-                    moved.append((req.rid, RouteDecision(-1, -1, req.bucket, reason)))
-                    continue
-                req.done = 0
-                req.quota = led.quota(req.total - req.cached, req.cached)
-                req.rank = led.rank_at[slot]
-                led.add(req)
-                self._counts["rerouted"] += 1
-                moved.append(
-                    (req.rid, RouteDecision(req.rank // r, req.rank % r, req.bucket, reason))
-                )
-        self._push()
-        return tuple(moved)
-
-    def restore_engine(self, engine: int, *, now_s: float, bucket: int | None = None) -> None:
-        """Put an engine back into service, in its previous bucket or in ``bucket``.
-
-        Raises
-        ------
-        ValueError
-            Unknown engine or bucket, or an engine that is in service.
-        """
-        engine = self._engine_iv(engine)
-        now = as_time(now_s)
-        if self._state[engine] != OUT:
-            raise ValueError(f"engine: {engine} is in service")
-        if bucket is not None:
-            bucket = check_int(bucket, "bucket", min_value=0, max_value=self.num_buckets - 1)
-            if bucket != self._home[engine]:
-                self._home[engine] = bucket
-                self._last_move[engine] = now
-        self._state[engine] = ACTIVE
-        self._rebuild()
-
-    # ------------------------------------------------------------------ reports
-    def report(
-        self, engine: int, seq: int, progress: Mapping[Hashable, int], *, now_s: float
-    ) -> ReportResult:
-        """Reconcile the ledger with an engine's report of its requests' progress.
-
-        Parameters
-        ----------
-        engine : int
-        seq : int
-            Sequence number of the report (>= 0); a report not newer than the last accepted
-            one from this engine is stale and ignored.
-        progress : mapping of request id to int
-            Cumulative prefilled tokens of each request the engine holds.
-        now_s : float
-
-        Returns
-        -------
-        ReportResult
-            Reported progress beyond the ledger's is applied (progress never goes back: a
-            report older than a ``chunk_done`` call does not undo it). ``drift_s`` measures the
-            disagreement before reconciliation.
-
-        Raises
-        ------
-        ValueError
-            Bad engine or sequence number, or reported tokens outside ``[0, uncached tokens]``
-            (nothing is applied then).
-        """
-        engine = self._engine_iv(engine)
-        seq = check_int(seq, "seq", min_value=0)
-        as_time(now_s)
-        if not isinstance(progress, Mapping):
-            raise TypeError(
-                "progress: must be a mapping of request id to tokens, got "
-                f"{type(progress).__name__}"
-            )
-        if seq <= self._seq[engine]:
-            self._counts["reports_stale"] += 1
-            return ReportResult(False, 0.0, (), ())
-        known, unknown = self._ledger.reported(engine, progress)
-        self._seq[engine] = seq
-        drift, missing = self._ledger.reconcile(engine, known)
-        self._counts["reports_accepted"] += 1
-        self._drift_last = drift
-        self._drift_max = max(self._drift_max, drift)
-        self._push()
-        return ReportResult(True, drift, unknown, missing)
 
     # ------------------------------------------------------------------ planning
     def plan_engine(
@@ -843,7 +541,6 @@ class PrefillBalancer:
     def statistics(self) -> PrefillStatistics:
         """A snapshot of demand, engines, loads and counters (see :class:`PrefillStatistics`)."""
         nb = self.num_buckets
-        active = self._state == ACTIVE
         queued = [0] * nb
         parts: list[list[float]] = [[] for _ in range(nb)]
         for req in self._ledger.requests.values():
@@ -855,16 +552,9 @@ class PrefillBalancer:
         return PrefillStatistics(
             bucket_demand=tuple(self._demand.tolist()),
             bucket_round_quota=tuple(self._round_quota),
-            bucket_engines=tuple(np.bincount(self._home[active], minlength=nb).tolist()),
-            bucket_draining=tuple(
-                np.bincount(self._home[self._state == DRAINING], minlength=nb).tolist()
-            ),
-            bucket_server=tuple(self._layout.server),
             bucket_queued=tuple(queued),
             bucket_queued_quota=tuple(qquota),
             rank_load=tuple(self.rank_loads().tolist()),
-            engine_bucket=tuple(self._home.tolist()),
-            engine_state=tuple(STATE_NAMES[s] for s in self._state.tolist()),
             queued=len(self._ledger.requests),
             routed=c["routed"],
             finished=c["finished"],
@@ -880,150 +570,15 @@ class PrefillBalancer:
             reassigned=c["reassigned"],
             rank_foreign_load=tuple(foreign[0].tolist()),
             rank_foreign_requests=tuple(foreign[2].tolist()),
+            **self._pool.statistics(),
             **self._store_counts(),
         )
 
     def _check(self) -> None:
         """Assert every internal invariant (for tests; O(requests + ranks))."""
-        nb = self.num_buckets
-        r = self._ranks
-        led = self._ledger
-        led.check(lambda total: bisect.bisect_right(self._edges, total))
-        for f, queue in enumerate(led.queues):
-            engine = f // r
-            assert not (queue and self._state[engine] == OUT), f"engine {engine} is out, busy"
-        for e in range(self._num_engines):
-            if self._state[e] == DRAINING:
-                assert led.engine_requests(e) > 0, f"engine {e} drains an empty queue"
-        assert ((self._home >= 0) & (self._home < nb)).all()
-        active = self._state == ACTIVE
-        counts = np.bincount(self._home[active], minlength=nb)
-        lay = self._layout
-        assert lay.server == serving_buckets(counts).tolist(), "serving map is stale"
-        assert lay.order == led.rank_at, "the ledger's slots are not the routing layout's"
-        for j in range(nb):
-            h = lay.server[j]
-            members = sorted(lay.order[lay.lo[j] : lay.hi[j]])
-            want = [f for e in np.flatnonzero(active & (self._home == h)).tolist()
-                    for f in range(e * r, e * r + r)] if h >= 0 else []  # fmt: skip
-            assert members == want, f"bucket {j}: routing slice is stale"
-            if active.any():
-                assert lay.hi[j] > lay.lo[j], f"bucket {j} has no engine to serve it"
+        self._ledger.check(lambda total: bisect.bisect_right(self._edges, total))
+        self._pool.check()
         c = self._counts
-        assert c["routed"] == len(led.requests) + c["finished"] + c["handed_back"], (
+        assert c["routed"] == len(self._ledger.requests) + c["finished"] + c["handed_back"], (
             "routed requests are not all queued, finished or handed back"
         )
-
-    # ------------------------------------------------------------------ persistence
-    def state_dict(self) -> dict[str, Any]:
-        """The configuration and state as JSON-serialisable plain types.
-
-        The options are saved as plain dicts (:meth:`RankChoice.to_dict`, ...). Request ids
-        must be ints or strs (``route`` enforces it). ``from_state_dict`` of the result
-        continues exactly where this balancer stands, including the sampling rng. ``pickle``
-        and ``copy`` go through it too (a balancer with a store is not picklable: save its state
-        and pass the store to :meth:`from_state_dict`).
-        """
-        led = self._ledger
-        config = config_dict(self._num_engines, self._ranks, self._cost, self._choice,
-                             self._buckets, self._rounds)  # fmt: skip
-        return {
-            "version": STATE_VERSION,
-            "config": config,
-            "state": {
-                "engine_bucket": self._home.tolist(),
-                "engine_state": self._state.tolist(),
-                "last_move_s": [None if t == -np.inf else t for t in self._last_move.tolist()],
-                "seq": self._seq.tolist(),
-                "rank_load": self.rank_loads().tolist(),
-                "requests": [
-                    [q.rid, q.rank, q.total, q.cached, q.done, q.quota]
-                    for queue in led.queues
-                    for q in queue.values()
-                ],
-                "round_quota": list(self._round_quota),
-                "round_start_s": self._round_start,
-                "demand": self._demand.tolist(),
-                "counts": dict(self._counts),
-                "drift_last_s": self._drift_last,
-                "drift_max_s": self._drift_max,
-                "rng": self._rng.bit_generator.state,
-                "foreign": dict(
-                    zip(
-                        ("quota_s", "work_s", "num_requests"),
-                        (a.tolist() for a in led.foreign()),
-                        strict=True,
-                    )
-                ),
-            },
-        }
-
-    def __reduce__(self) -> tuple[Any, tuple[dict[str, Any]]]:
-        if self._link is not None:
-            raise TypeError(
-                "PrefillBalancer: a balancer with a store cannot be pickled; pickle its "
-                "state_dict() and pass store= and replica_id= to from_state_dict"
-            )
-        return (type(self).from_state_dict, (self.state_dict(),))
-
-    @classmethod
-    def from_state_dict(
-        cls, state: Mapping[str, Any], *, store: Store | None = None, replica_id: str | None = None
-    ) -> PrefillBalancer:
-        """Rebuild a balancer from :meth:`state_dict` output (e.g. after ``json.loads``).
-
-        With ``store`` and ``replica_id`` (not saved in a state) the rebuilt balancer is that
-        replica again: it publishes its whole ledger before it returns.
-
-        Reads states of version 2 and 1 (flat keyword options).
-
-        Raises
-        ------
-        ValueError
-            Unknown version, or a field out of its rules or inconsistent with the others,
-            named (:func:`lbkit.prefill.persistence.read_state`).
-        """
-        me = replica_id_iv(store, replica_id)
-        e, r, cost, choice, buckets, rounds = read_config(state)
-        nb = buckets.num_buckets
-        led = Ledger(e, r, cost)
-        s = read_state(state.get("state"), e, r, nb, led.quota)
-        initial = np.bincount(s["home"], minlength=nb)
-        bal = cls(
-            e, r, cost=cost, choice=choice, rounds=rounds, now_s=s["round_start"],
-            buckets=Buckets(buckets.edges, buckets.min_engines, buckets.max_engines,
-                            tuple(initial.tolist())),
-        )  # fmt: skip
-        bal._buckets = buckets
-        bal._home = s["home"]
-        bal._state = s["state"]
-        bal._last_move = s["last_move"]
-        bal._seq = s["seq"]
-        bal._rebuild()
-        led = bal._ledger
-        edges = bal._edges
-        for rid, rank, total, cached, done, quota in s["requests"]:
-            bucket = bisect.bisect_right(edges, total)
-            req = Request(rid, rank, bucket, total, cached, done, quota)
-            led.requests[rid] = req
-            led.queues[rank][rid] = req
-        for f in range(bal.num_ranks):
-            led.resum(f)
-        if s["foreign"] is not None:
-            led.set_foreign(*s["foreign"])
-        led.own = s["load"][np.asarray(led.rank_at, dtype=np.int64)]  # as saved (checked)
-        led.load = led.own + led.f_load
-        bal._round_quota = s["round_quota"]
-        bal._demand = s["demand"]
-        bal._counts = s["counts"]
-        bal._drift_last = s["drift_last"]
-        bal._drift_max = s["drift_max"]
-        try:
-            bal._rng.bit_generator.state = s["rng"]
-        except (TypeError, ValueError, KeyError, OverflowError) as exc:
-            raise ValueError(f"state.rng: not a numpy bit generator state ({exc})") from None
-        if bal._rng.bit_generator.state != s["rng"]:
-            raise ValueError("state.rng: numpy does not keep this bit generator state as given")
-        if me is not None:
-            bal._attach(store, me)
-        return bal

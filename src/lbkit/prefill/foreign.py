@@ -9,6 +9,10 @@ the routed-expert seconds of the remaining tokens, what the lockstep rule plans 
 requests (``num_requests``: a rank holding one makes its engine busy). It counts in every
 routing decision and in the rounds' re-plan, but in no request of the ledger: progress, finishes
 and reports move only the own requests, and the foreign load changes only when it is set again.
+
+With a shared store (:class:`~lbkit.core.replica.ReplicaLink`), a replica publishes its own load
+per flat rank as :func:`store_columns` (integers: requests, quota and work in nanoseconds) and
+takes the store's view of the others' as its foreign load (:func:`set_from_store`).
 """
 
 from __future__ import annotations
@@ -18,8 +22,12 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from lbkit.core.validation import as_float_array, as_int_array
+from lbkit.prefill.ledger import Ledger
 
-__all__ = ["ForeignLoad", "foreign_iv"]
+__all__ = ["STORE_NS", "ForeignLoad", "foreign_iv", "set_from_store", "store_columns"]
+
+#: Units of the quota and work a store holds (integers): nanoseconds.
+STORE_NS = 1e9
 
 
 class ForeignLoad(NamedTuple):
@@ -42,3 +50,17 @@ def foreign_iv(quota_s: Any, work_s: Any, num_requests: Any, n: int) -> ForeignL
         out.append(np.array(arr, dtype=np.float64))
     count = as_int_array(num_requests, "num_requests", shape=(n,), min_value=0)
     return ForeignLoad(out[0], out[1], count.astype(np.int64, copy=True))
+
+
+def store_columns(led: Ledger) -> np.ndarray:
+    """The ledger's own load per flat rank as a store holds it: rows requests, quota and work
+    (nanoseconds), int64, shape (3, num_ranks)."""
+    quota, work, count = led.own_flat()
+    return np.stack([count, np.rint(quota * STORE_NS).astype(np.int64),
+                     np.rint(work * STORE_NS).astype(np.int64)])  # fmt: skip
+
+
+def set_from_store(led: Ledger, view: np.ndarray) -> None:
+    """Make a store's view of the other replicas' load (rows as :func:`store_columns`) the
+    ledger's foreign load."""
+    led.set_foreign(view[1] / STORE_NS, view[2] / STORE_NS, view[0].copy())

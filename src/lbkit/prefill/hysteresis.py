@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from lbkit.core.validation import as_float_array, as_int_array, check_int, check_real, to_numpy
-from lbkit.prefill.apportion import DEFAULT_METHOD, METHODS, Allocation, _bottleneck
+from lbkit.prefill.apportion import DEFAULT_METHOD, METHODS, Allocation, bottleneck_unchecked
 
 __all__ = ["Move", "Rebalance", "rebalance"]
 
@@ -189,7 +189,7 @@ def rebalance(
         raise ValueError(f"method: must be one of {', '.join(map(repr, METHODS))}; got {method!r}")
     ideal = check(d, e_alive, min_engines=min_engines, max_engines=max_engines)
     d_eff = d if d.sum() > 0 else np.ones(nb)
-    before = _bottleneck(d_eff, s)
+    before = bottleneck_unchecked(d_eff, s)
     moves: list[Move] = []
     if not isinstance(force, (bool, np.bool_)):
         raise TypeError(f"force: must be a bool, got {type(force).__name__}")
@@ -225,4 +225,4 @@ def rebalance(
         s[donor] -= 1
         s[receiver] += 1
         moves.append(Move(engine, donor, receiver))
-    return Rebalance(s, tuple(moves), ideal, before, _bottleneck(d_eff, s))
+    return Rebalance(s, tuple(moves), ideal, before, bottleneck_unchecked(d_eff, s))

@@ -46,9 +46,19 @@ from typing import Any
 import numpy as np
 
 from lbkit.core.cost import QuadraticCost
-from lbkit.core.validation import check_int, check_real
+from lbkit.core.validation import as_int_array, check_int, check_real
+from lbkit.prefill._kernels import int_bounds
 
-__all__ = ["MAX_TOKENS", "Ledger", "Request", "as_request_id", "as_time", "as_tokens"]
+__all__ = [
+    "MAX_TOKENS",
+    "Ledger",
+    "Request",
+    "as_request_id",
+    "as_time",
+    "as_tokens",
+    "hits_iv",
+    "route_iv",
+]
 
 
 #: Largest token count of a request (2**40, as the trace readers): quotas, sums and the
@@ -78,6 +88,42 @@ def as_time(value: Any) -> float:
     if type(value) is float and value - value == 0.0:  # finite float: the common case
         return value
     return check_real(value, "now_s")
+
+
+def route_iv(total_tokens: Any, cached_tokens: Any, now_s: Any) -> tuple[int, int, float]:
+    """Validate a request's tokens and time (``PrefillBalancer.route``'s slow path)."""
+    total = as_tokens(total_tokens, "total_tokens")
+    cached = as_tokens(cached_tokens, "cached_tokens")
+    if total == 0:
+        raise ValueError("total_tokens: must be >= 1, got 0")
+    if cached > total:
+        raise ValueError(f"cached_tokens: must be <= total_tokens ({total}), got {cached}")
+    return total, cached, as_time(now_s)
+
+
+def hits_iv(cached_tokens: Any, total_tokens: Any, n: int) -> tuple[np.ndarray, int, bool]:
+    """Per-rank cached tokens of ``n`` flat ranks, their least and whether one is the whole
+    prompt. The common case, an int64 array of the right shape and a valid total, costs one
+    kernel pass; anything else is validated in full."""
+    if (
+        type(cached_tokens) is np.ndarray
+        and cached_tokens.dtype == np.int64
+        and cached_tokens.shape == (n,)
+        and type(total_tokens) is int
+    ):
+        lo, hi = int_bounds(cached_tokens)
+        if 0 <= lo and hi <= total_tokens:
+            return cached_tokens, int(lo), hi == total_tokens
+    total = as_tokens(total_tokens, "total_tokens")
+    hits = as_int_array(cached_tokens, "cached_tokens", shape=(n,), min_value=0)
+    if not hits.shape[0]:
+        return hits, 0, False
+    hi = int(hits.max())
+    if hi > total:
+        raise ValueError(
+            f"cached_tokens: must be <= total_tokens ({total}) on every rank, got {hi}"
+        )
+    return hits, int(hits.min()), hi == total
 
 
 def _exact_add(partials: list[float], x: float) -> None:

@@ -6,25 +6,45 @@ counters. :func:`read_config` also reads version-1 states (the flat keyword opti
 balancer before the option objects). :func:`read_state` checks every field of a state before the
 balancer trusts it: a ``ValueError`` names the field (``state.requests[3]``, ...) and the rule it
 breaks. Nothing here relies on ``assert`` (which ``python -O`` drops).
+
+:class:`Persistent` holds the balancer's :meth:`~Persistent.state_dict` and
+:meth:`~Persistent.from_state_dict` (and pickling through them), which
+:class:`~lbkit.prefill.PrefillBalancer` inherits.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 
 from lbkit.core.cost import QuadraticCost
 from lbkit.core.engines import DRAINING, OUT
-from lbkit.core.validation import as_float_array, check_int, check_int_list, check_real
+from lbkit.core.replica import ReplicaLink, Store, replica_id_iv
+from lbkit.core.validation import (
+    as_float_array,
+    check_int,
+    check_int_list,
+    check_real,
+    set_rng_state,
+)
 from lbkit.prefill.foreign import foreign_iv
-from lbkit.prefill.ledger import MAX_TOKENS
+from lbkit.prefill.ledger import MAX_TOKENS, Ledger, Request
 from lbkit.prefill.legacy import BUCKET_KEYWORDS, CHOICE_KEYWORDS, ROUND_KEYWORDS, from_keywords
 from lbkit.prefill.options import Buckets, RankChoice, Rounds
+from lbkit.prefill.pool import EnginePool
 
-__all__ = ["COUNTERS", "STATE_VERSION", "config_dict", "read_config", "read_state"]
+__all__ = [
+    "COUNTERS",
+    "STATE_VERSION",
+    "Persistent",
+    "config_dict",
+    "read_config",
+    "read_state",
+]
 
 #: Version of :meth:`PrefillBalancer.state_dict` (2: options as :class:`RankChoice`,
 #: :class:`Buckets`, :class:`Rounds` dicts; 1: flat keyword options).
@@ -237,3 +257,154 @@ def read_state(
         "round_start": round_start, "drift_last": drift_last, "drift_max": drift_max,
         "counts": counts, "requests": requests, "rng": rng, "foreign": foreign,
     }  # fmt: skip
+
+
+def _state_part(
+    pool: EnginePool,
+    led: Ledger,
+    *,
+    round_quota: list[float],
+    round_start: float,
+    demand: np.ndarray,
+    counts: dict[str, int],
+    drift_last: float,
+    drift_max: float,
+    rng: np.random.Generator,
+) -> dict[str, Any]:
+    """The ``state`` part of a state: the engines of ``pool``, the ledger's requests and sums,
+    the round, the counters and the rng, as JSON types (what :func:`read_state` reads back)."""
+    return {
+        "engine_bucket": pool.home.tolist(),
+        "engine_state": pool.state.tolist(),
+        "last_move_s": [None if t == -np.inf else t for t in pool.last_move.tolist()],
+        "seq": pool.seq.tolist(),
+        "rank_load": led.rank_loads().tolist(),
+        "requests": [
+            [q.rid, q.rank, q.total, q.cached, q.done, q.quota]
+            for queue in led.queues
+            for q in queue.values()
+        ],
+        "round_quota": list(round_quota),
+        "round_start_s": round_start,
+        "demand": demand.tolist(),
+        "counts": dict(counts),
+        "drift_last_s": drift_last,
+        "drift_max_s": drift_max,
+        "rng": rng.bit_generator.state,
+        "foreign": dict(
+            zip(
+                ("quota_s", "work_s", "num_requests"),
+                (a.tolist() for a in led.foreign()),
+                strict=True,
+            )
+        ),
+    }
+
+
+def _restore_ledger(led: Ledger, s: Mapping[str, Any], edges: tuple[int, ...]) -> None:
+    """Fill ``led`` (fresh, laid out as the saved engines route) from :func:`read_state`'s
+    fields: the requests in their saved queue order, the foreign load and the saved loads."""
+    for rid, rank, total, cached, done, quota in s["requests"]:
+        bucket = bisect.bisect_right(edges, total)
+        req = Request(rid, rank, bucket, total, cached, done, quota)
+        led.requests[rid] = req
+        led.queues[rank][rid] = req
+    for f in range(len(led.queues)):
+        led.resum(f)
+    if s["foreign"] is not None:
+        led.set_foreign(*s["foreign"])
+    led.own = s["load"][np.asarray(led.rank_at, dtype=np.int64)]  # as saved (checked)
+    led.load = led.own + led.f_load
+
+
+class Persistent:
+    """The saving and restoring methods of :class:`~lbkit.prefill.PrefillBalancer`, which
+    inherits them: :meth:`state_dict`, :meth:`from_state_dict` and pickling through them.
+
+    Not used on its own: it reads and sets the state the balancer's ``__init__`` sets, declared
+    here (and calls its ``_attach``).
+    """
+
+    _num_engines: int
+    _ranks: int
+    _cost: QuadraticCost
+    _choice: RankChoice
+    _buckets: Buckets
+    _rounds: Rounds
+    _edges: tuple[int, ...]
+    _rng: np.random.Generator
+    _ledger: Ledger
+    _pool: EnginePool
+    _link: ReplicaLink | None
+    _counts: dict[str, int]
+    _round_quota: list[float]
+    _round_start: float
+    _demand: np.ndarray
+    _drift_last: float
+    _drift_max: float
+
+    def state_dict(self) -> dict[str, Any]:
+        """The configuration and state as JSON-serialisable plain types.
+
+        The options are saved as plain dicts (:meth:`RankChoice.to_dict`, ...). Request ids
+        must be ints or strs (``route`` enforces it). ``from_state_dict`` of the result
+        continues exactly where this balancer stands, including the sampling rng. ``pickle``
+        and ``copy`` go through it too (a balancer with a store is not picklable: save its state
+        and pass the store to :meth:`from_state_dict`).
+        """
+        config = config_dict(self._num_engines, self._ranks, self._cost, self._choice,
+                             self._buckets, self._rounds)  # fmt: skip
+        state = _state_part(self._pool, self._ledger, round_quota=self._round_quota,
+                            round_start=self._round_start, demand=self._demand,
+                            counts=self._counts, drift_last=self._drift_last,
+                            drift_max=self._drift_max, rng=self._rng)  # fmt: skip
+        return {"version": STATE_VERSION, "config": config, "state": state}
+
+    def __reduce__(self) -> tuple[Any, tuple[dict[str, Any]]]:
+        if self._link is not None:
+            raise TypeError(
+                "PrefillBalancer: a balancer with a store cannot be pickled; pickle its "
+                "state_dict() and pass store= and replica_id= to from_state_dict"
+            )
+        return (type(self).from_state_dict, (self.state_dict(),))
+
+    @classmethod
+    def from_state_dict(
+        cls, state: Mapping[str, Any], *, store: Store | None = None, replica_id: str | None = None
+    ) -> Self:
+        """Rebuild a balancer from :meth:`state_dict` output (e.g. after ``json.loads``).
+
+        With ``store`` and ``replica_id`` (not saved in a state) the rebuilt balancer is that
+        replica again: it publishes its whole ledger before it returns.
+
+        Reads states of version 2 and 1 (flat keyword options).
+
+        Raises
+        ------
+        ValueError
+            Unknown version, or a field out of its rules or inconsistent with the others,
+            named (:func:`lbkit.prefill.persistence.read_state`).
+        """
+        me = replica_id_iv(store, replica_id)
+        e, r, cost, choice, buckets, rounds = read_config(state)
+        nb = buckets.num_buckets
+        led = Ledger(e, r, cost)
+        s = read_state(state.get("state"), e, r, nb, led.quota)
+        initial = np.bincount(s["home"], minlength=nb)
+        bal = cls(
+            e, r, cost=cost, choice=choice, rounds=rounds, now_s=s["round_start"],
+            buckets=Buckets(buckets.edges, buckets.min_engines, buckets.max_engines,
+                            tuple(initial.tolist())),
+        )  # fmt: skip
+        bal._buckets = buckets
+        bal._pool.restore(s["home"], s["state"], s["last_move"], s["seq"])
+        _restore_ledger(bal._ledger, s, bal._edges)
+        bal._round_quota = s["round_quota"]
+        bal._demand = s["demand"]
+        bal._counts = s["counts"]
+        bal._drift_last = s["drift_last"]
+        bal._drift_max = s["drift_max"]
+        set_rng_state(bal._rng, s["rng"])
+        if me is not None:
+            bal._attach(store, me)
+        return bal

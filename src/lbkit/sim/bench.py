@@ -32,8 +32,8 @@ from lbkit.sim.engine import (
     scale_to_utilization,
     simulate_decode,
     simulate_prefill,
+    warmup,
 )
-from lbkit.sim.engine import warmup as _warmup
 from lbkit.sim.metrics import decode_metrics, prefill_metrics
 from lbkit.sim.policies import (
     DEFAULT_PREFILL_POLICY,
@@ -43,7 +43,7 @@ from lbkit.sim.policies import (
 from lbkit.sim.policies_decode import DECODE_POLICIES, DEFAULT_DECODE_POLICY
 from lbkit.sim.prefix_cache import DSV3_KV_BYTES_PER_TOKEN
 from lbkit.sim.replicas import REPLICAS_ROW, DecodeReplicas, ReplicaSync
-from lbkit.sim.traces import Trace, _detect_format, load_trace
+from lbkit.sim.traces import Trace, detect_format, load_trace
 
 __all__ = [
     "EPLB_EXAMPLE",
@@ -87,7 +87,7 @@ def load_bench_trace(path: str | Path, /, *, format: str | None = None) -> Trace
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"trace file not found: {path}")
-    fmt = format if format is not None else _detect_format(path)
+    fmt = format if format is not None else detect_format(path)
     if fmt == "mooncake":
         return load_trace(path, format=fmt, spread="even")
     return load_trace(path, format=fmt)
@@ -245,7 +245,7 @@ def run_bench(
     pruns: dict[str, PrefillRun] = {}
     druns: dict[str, DecodeRun] = {}
     start = time.perf_counter()
-    _warmup()  # compile the kernels once, outside the per-policy timings
+    warmup()  # compile the kernels once, outside the per-policy timings
     timing["warmup_s"] = time.perf_counter() - start
     for name in pnames:
         cb = (
@@ -576,7 +576,7 @@ def run_decode_bench(
     if kv_watermark_tokens is None:
         kv_watermark_tokens = 0 if max_kv_tokens is None else max_kv_tokens // 100
     capacity = {"max_kv_tokens": max_kv_tokens, "kv_watermark_tokens": kv_watermark_tokens}
-    _warmup()
+    warmup()
     start = time.perf_counter()
     scaled, factor, measured = scale_to_decode_batch(
         trace, batch_per_rank, num_engines=de, ranks_per_engine=dr, cost=dcost, **capacity

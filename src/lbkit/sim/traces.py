@@ -817,7 +817,7 @@ def _csv_count(text: str, name: str, lineno: int, field: str) -> int:
 _LOADERS: Mapping[str, Any] = {"mooncake": load_mooncake, "azure": load_azure}
 
 
-def _detect_format(path: Path) -> str:
+def detect_format(path: Path) -> str:
     with path.open("rb") as f:
         head = f.read(4096).decode("utf-8-sig", errors="replace")
     first = next((line.strip() for line in head.splitlines() if line.strip()), "")
@@ -878,5 +878,5 @@ def load_trace(path: str | Path, /, *, format: str | None = None, **options: Any
         raise FileNotFoundError(f"trace file not found: {path}")
     if not path.is_file():
         raise ValueError(f"{path}: not a regular file")
-    fmt = format if format is not None else _detect_format(path)
+    fmt = format if format is not None else detect_format(path)
     return _LOADERS[fmt](path, **options)
