@@ -134,7 +134,20 @@ def read_config(state: Any) -> tuple[int, int, QuadraticCost, RankChoice, Bucket
     return e, r, cost, choice, buckets, rounds
 
 
+def _exact(value: Any, name: str) -> None:
+    """A saved float is a float; an integer in its place must convert to one exactly (a
+    restored state must save back to what was given)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        try:
+            exact = float(value) == value
+        except OverflowError:
+            exact = False
+        if not exact:
+            raise ValueError(f"{name}: the integer {value} has no exact float value")
+
+
 def _real(value: Any, name: str, **kw: Any) -> float:
+    _exact(value, name)
     try:
         return check_real(value, name, **kw)
     except TypeError as exc:
@@ -147,6 +160,7 @@ def _floats(value: Any, name: str, n: int) -> np.ndarray:
     for i, v in enumerate(value):
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise ValueError(f"{name}[{i}]: must be a number, got {type(v).__name__} {v!r}")
+        _exact(v, f"{name}[{i}]")
     arr = as_float_array(value, name, shape=(n,), nonnegative=True)
     if not np.isfinite(arr).all():
         raise ValueError(f"{name}: must be finite")
@@ -247,6 +261,10 @@ def read_state(
     foreign = None
     if s.get("foreign") is not None:
         f = _mapping(s["foreign"], "state.foreign")
+        for key in ("quota_s", "work_s"):
+            if isinstance(f.get(key), (list, tuple)):
+                for i, v in enumerate(f[key]):
+                    _exact(v, f"state.foreign.{key}[{i}]")
         try:
             foreign = foreign_iv(f.get("quota_s"), f.get("work_s"), f.get("num_requests"), n)
         except (TypeError, ValueError) as exc:
