@@ -127,8 +127,11 @@ def test_bottleneck_without_engines(demand, expected):
     [
         (lambda: serving_buckets([-1, 1]), "engines"),
         (lambda: bottleneck([1.0, 1.0], [-1, 2]), "engines"),
-        (lambda: adams([1.0, 1.0], 2, max_engines=[-1, 3]), "max_engines"),
-        (lambda: webster([1.0, 1.0], 2, min_engines=[-1, 0]), "min_engines"),
+        (lambda: adams([1.0, 1.0], 2, max_engines=[-1, 3]), r"^max_engines: entries must be >= 0"),
+        (
+            lambda: webster([1.0, 1.0], 2, min_engines=[-1, 0]),
+            r"^min_engines: entries must be >= 0",
+        ),
     ],
 )
 def test_negative_engine_counts_are_refused_by_name(call, match):
@@ -139,6 +142,9 @@ def test_negative_engine_counts_are_refused_by_name(call, match):
 def test_the_first_infeasible_bucket_is_named():
     with pytest.raises(ValueError, match="bucket 0 has minimum 2 above its cap 1"):
         adams([1.0, 1.0, 1.0], 4, min_engines=[2, 3, 0], max_engines=[1, 1, 4])
+    # A bucket whose minimum equals its cap comes first; the one above its cap is named.
+    with pytest.raises(ValueError, match="bucket 1 has minimum 3 above its cap 1"):
+        adams([1.0, 1.0, 1.0], 4, min_engines=[1, 3, 0], max_engines=[1, 1, 4])
     # A minimum equal to its cap is feasible.
     assert adams([1.0, 1.0], 2, min_engines=[1, 1], max_engines=[1, 1]).engines.tolist() == [1, 1]
 
