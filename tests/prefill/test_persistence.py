@@ -112,6 +112,7 @@ def _exercise(bal: PrefillBalancer) -> None:
 @example(path=("state", "rng", "state", "state"), value=-1)  # numpy: OverflowError
 @example(path=("state", "seq", 0), value=2**70)
 @example(path=("state", "foreign", "work_s", 1), value=2**63 - 1)  # no exact float
+@example(path=("config", "choice", "spill_ratio"), value=2**63 - 1)
 def test_a_tampered_state_is_refused_by_name_or_restored_exactly(path, value):
     bad = _set(STATE, path, value)
     try:

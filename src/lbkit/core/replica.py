@@ -75,6 +75,7 @@ __all__ = [
     "ReplicaLink",
     "Store",
     "StoreError",
+    "reduce_by_state",
     "replica_id_iv",
 ]
 
@@ -145,6 +146,19 @@ def replica_id_iv(store: Any, replica_id: Any) -> str | None:
             f"got {replica_id!r}"
         )
     return replica_id
+
+
+def reduce_by_state(balancer: Any, link: ReplicaLink | None) -> tuple[Any, tuple[Any]]:
+    """``balancer.__reduce__``: pickled and copied as its ``state_dict()``, rebuilt by
+    ``from_state_dict``; a balancer attached to a store (``link``) refuses, since a copy that
+    published as the same replica would count its load twice."""
+    if link is not None:
+        name = type(balancer).__name__
+        raise TypeError(
+            f"{name}: a balancer with a store cannot be pickled; pickle its state_dict() and "
+            "pass store= and replica_id= to from_state_dict"
+        )
+    return (type(balancer).from_state_dict, (balancer.state_dict(),))
 
 
 class ReplicaLink:

@@ -22,7 +22,7 @@ import numpy as np
 
 from lbkit.core.cost import DecodeCost
 from lbkit.core.engines import ACTIVE, OUT
-from lbkit.core.replica import ReplicaLink, Store, replica_id_iv
+from lbkit.core.replica import ReplicaLink, Store, reduce_by_state, replica_id_iv
 from lbkit.core.validation import check_int, check_int_list, set_rng_state
 from lbkit.decode import _kernels as K
 from lbkit.decode.foreign import foreign_iv
@@ -273,13 +273,8 @@ class Persistent:
             },
         }
 
-    def __reduce__(self) -> tuple[Any, tuple[dict[str, Any]]]:
-        if self._link is not None:
-            raise TypeError(
-                "DecodeBalancer: a balancer with a store cannot be pickled; pickle its "
-                "state_dict() and pass store= and replica_id= to from_state_dict"
-            )
-        return (type(self).from_state_dict, (self.state_dict(),))
+    def __reduce__(self) -> tuple[Any, tuple[Any]]:
+        return reduce_by_state(self, self._link)
 
     @classmethod
     def from_state_dict(

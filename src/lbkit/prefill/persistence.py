@@ -23,7 +23,7 @@ import numpy as np
 
 from lbkit.core.cost import QuadraticCost
 from lbkit.core.engines import DRAINING, OUT
-from lbkit.core.replica import ReplicaLink, Store, replica_id_iv
+from lbkit.core.replica import ReplicaLink, Store, reduce_by_state, replica_id_iv
 from lbkit.core.validation import (
     as_float_array,
     check_int,
@@ -86,9 +86,13 @@ def _mapping(value: Any, name: str) -> Mapping[str, Any]:
 def _options(cls: Any, value: Any, name: str) -> Any:
     value = _mapping(value, name)
     try:
-        return cls(**value)
+        out = cls(**value)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{name}: {exc}") from None
+    for key, v in value.items():  # an integer that a float field rounds would not save back
+        if isinstance(getattr(out, key, None), float):
+            _exact(v, f"{name}.{key}")
+    return out
 
 
 def read_config(state: Any) -> tuple[int, int, QuadraticCost, RankChoice, Buckets, Rounds]:
@@ -107,10 +111,7 @@ def read_config(state: Any) -> tuple[int, int, QuadraticCost, RankChoice, Bucket
         r = check_int(cfg.get("ranks_per_engine"), "state.config.ranks_per_engine", min_value=1)
     except TypeError as exc:
         raise ValueError(f"state.config: {exc}") from None
-    try:
-        cost = QuadraticCost(**_mapping(cfg.get("cost"), "state.config.cost"))
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"state.config.cost: {exc}") from None
+    cost = _options(QuadraticCost, cfg.get("cost"), "state.config.cost")
     if state["version"] == 1:
         keys = CHOICE_KEYWORDS + BUCKET_KEYWORDS + ROUND_KEYWORDS
         flat = {k: cfg[k] for k in keys if k in cfg}
@@ -378,13 +379,8 @@ class Persistent:
                             drift_max=self._drift_max, rng=self._rng)  # fmt: skip
         return {"version": STATE_VERSION, "config": config, "state": state}
 
-    def __reduce__(self) -> tuple[Any, tuple[dict[str, Any]]]:
-        if self._link is not None:
-            raise TypeError(
-                "PrefillBalancer: a balancer with a store cannot be pickled; pickle its "
-                "state_dict() and pass store= and replica_id= to from_state_dict"
-            )
-        return (type(self).from_state_dict, (self.state_dict(),))
+    def __reduce__(self) -> tuple[Any, tuple[Any]]:
+        return reduce_by_state(self, self._link)
 
     @classmethod
     def from_state_dict(
