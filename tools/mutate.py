@@ -145,6 +145,8 @@ EQUIVALENT: dict[tuple[str, int], str] = {
     "a move was found, which sets it",
     ("decode/_kernels", 426): "choose(): 0 < capb -> 0 <= capb; a rank of capacity 0 was "
     "skipped as full before",
+    ("decode/policies", 28): "_decide(): r >= 0 -> r >= -1; the only code it adds is -1, "
+    "returned as -1 either way",
     ("prefill/apportion", 92): "np.zeros(d.shape[0]) -> d.shape[-1] on a 1-D array",
     ("prefill/apportion", 72): "_serving(): the initial -1 of every entry is overwritten by the "
     "loop, which writes -1 until the first bucket with engines",
