@@ -76,7 +76,10 @@ def _best_count_change(
     only if an upper bound on its reduction can beat the best step so far: ``b``'s replicas
     shrink by ``size[b] - w[b] / (cnt[b] + 1)``, lowering each holder's excess by at most that,
     ``h``'s excess falls by at most ``size[a] - w[b] / (cnt[b] + 1)``, and ``a``'s other
-    replicas only grow.
+    replicas only grow. A second, tighter bound counts the growth of ``a``'s replicas exactly
+    (per ``(h, i)``, once for every ``b``), ``h``'s change exactly, and for each holder of ``b``
+    at most ``min(shrink, its excess after a's growth)``; both bounds carry a slack above any
+    rounding, so they only skip steps that cannot be taken.
     """
     dl, mark, touched, hot_list, reach = scratch
     num_gpus, slots = gpu_exp.shape
@@ -89,15 +92,20 @@ def _best_count_change(
     for g in range(num_gpus):
         mark[g] = 0
     n_hot = 0
+    nb_of = np.empty(num_log)  # size of b's replicas after the step
     for b in range(num_log):
         r = 0.0
-        shrink = size[b] - w[b] / (cnt[b] + 1)
+        nb_of[b] = w[b] / (cnt[b] + 1)
+        shrink = size[b] - nb_of[b]
         for k in range(start[b], start[b + 1]):
             r += min(_excess(load[gpus[k]], target), shrink)
         reach[b] = r
         if hot[b]:
             hot_list[n_hot] = b
             n_hot += 1
+    amark = np.zeros(num_gpus, dtype=np.int64)  # GPUs holding a (stamp), their growth
+    adl = np.zeros(num_gpus)
+    astamp = 0
     for pos in range(2 * num_gpus):  # GPUs above the target first: a high score early
         h = pos % num_gpus
         h_heavy = load[h] > target + tol
@@ -110,6 +118,23 @@ def _best_count_change(
             if cnt[a] < 2:
                 continue
             grow = w[a] / (cnt[a] - 1) - size[a]
+            # a's replicas grow: that part of the change, shared by every b
+            astamp += 1
+            for k in range(start[a], start[a + 1]):
+                g = gpus[k]
+                if amark[g] != astamp:
+                    amark[g] = astamp
+                    adl[g] = 0.0
+                adl[g] += grow
+            base = 0.0
+            for k in range(start[a], start[a + 1]):
+                g = gpus[k]
+                if g != h and amark[g] == astamp:
+                    amark[g] = -astamp  # counted once
+                    base += _excess(load[g], target) - _excess(load[g] + adl[g], target)
+            for k in range(start[a], start[a + 1]):
+                amark[gpus[k]] = astamp
+            h_after = load[h] + adl[h] - grow - size[a]
             for q in range(n_b):
                 b = q if h_heavy else hot_list[q]
                 if b == a or cur[h, b] > 0:
@@ -119,7 +144,7 @@ def _best_count_change(
                     continue
                 if cost > 0 and best_free:
                     continue
-                nb = w[b] / (cnt[b] + 1)
+                nb = nb_of[b]
                 bound = reach[b] + min(h_exc, max(size[a] - nb, 0.0)) + slack
                 if bound <= tol:
                     continue
@@ -129,6 +154,18 @@ def _best_count_change(
                 elif bound / cost <= best_score:
                     continue
                 shrink = size[b] - nb
+                bound = base + h_exc - _excess(h_after + nb, target) + slack
+                for k in range(start[b], start[b + 1]):
+                    g = gpus[k]
+                    x = load[g] + adl[g] if amark[g] == astamp else load[g]
+                    bound += min(_excess(x, target), shrink)
+                if bound <= tol:
+                    continue
+                if cost <= 0:
+                    if best_free and bound <= best_score:
+                        continue
+                elif bound / cost <= best_score:
+                    continue
                 stamp += 1
                 nt = 0
                 for k in range(start[a], start[a + 1]):
@@ -221,11 +258,12 @@ def _best_swap(size, hold, cur, gpu_exp, load, target, budget, moves, best_free,
 
 
 @jit
-def _close_chain(size, hold, cur, gpu_exp, load, target, cg, ci, m, mark, stamp, limit):
+def _close_chain(size, hold, cur, gpu_exp, load, target, cg, ci, m, mark, stamp, limit, gpu_max):
     """The light GPU ``k`` (slot ``j``) that closes the chain ``cg[:m], ci[:m]``: it takes the
     first GPU's replica and gives one of size at most ``limit`` to the last; among those, the
     lowest load after the exchange (lowest GPU, slot among equals). Returns ``(k, j, load of k
-    after)``, ``k = -1`` if none."""
+    after)``, ``k = -1`` if none. ``gpu_max[k]``: the largest replica of GPU ``k``; a GPU whose
+    load after giving it up is not below the best so far is skipped (it cannot be chosen)."""
     num_gpus, slots = gpu_exp.shape
     tol = _REL_TOL * target
     a1 = gpu_exp[cg[0], ci[0]]
@@ -234,6 +272,8 @@ def _close_chain(size, hold, cur, gpu_exp, load, target, cg, ci, m, mark, stamp,
     ck_load = 0.0
     for k in range(num_gpus):
         if mark[k] == stamp or cur[k, a1] > 0:
+            continue
+        if ck >= 0 and load[k] + size[a1] - gpu_max[k] >= ck_load:
             continue
         room = target - load[k] - size[a1]
         for j in range(slots):
@@ -288,8 +328,11 @@ def _best_chain(
     bm = 0
     bk = bj = -1
     stamp = 0
+    gpu_max = np.zeros(num_gpus)
     for g in range(num_gpus):
         mark[g] = 0
+        for j in range(slots):
+            gpu_max[g] = max(gpu_max[g], size[gpu_exp[g, j]])
     for h1 in range(num_gpus):
         if load[h1] <= target + tol:
             continue
@@ -307,8 +350,9 @@ def _best_chain(
                 ck_load = 0.0
                 if m >= 2:  # a chain of one heavy GPU is a swap
                     ck, cj, ck_load = _close_chain(
-                        size, hold, cur, gpu_exp, load, target, cg, ci, m, mark, stamp, limit
-                    )
+                        size, hold, cur, gpu_exp, load, target, cg, ci, m, mark, stamp, limit,
+                        gpu_max,
+                    )  # fmt: skip
                 if ck >= 0:
                     cost, red = _chain_value(
                         size, hold, cur, gpu_exp, load, target, cg, ci, m, ck, cj, ck_load
