@@ -258,22 +258,30 @@ def _best_swap(size, hold, cur, gpu_exp, load, target, budget, moves, best_free,
 
 
 @jit
-def _close_chain(size, hold, cur, gpu_exp, load, target, cg, ci, m, mark, stamp, limit, gpu_max):
+def _close_chain(size, hold, cur, gpu_exp, load, target, cg, ci, m, mark, stamp, limit, by_room):
     """The light GPU ``k`` (slot ``j``) that closes the chain ``cg[:m], ci[:m]``: it takes the
     first GPU's replica and gives one of size at most ``limit`` to the last; among those, the
     lowest load after the exchange (lowest GPU, slot among equals). Returns ``(k, j, load of k
-    after)``, ``k = -1`` if none. ``gpu_max[k]``: the largest replica of GPU ``k``; a GPU whose
-    load after giving it up is not below the best so far is skipped (it cannot be chosen)."""
+    after)``, ``k = -1`` if none.
+
+    ``by_room = (order, key)``: the GPUs by increasing ``key[k] = load[k] - (largest replica of
+    k)``, a lower bound on ``k``'s load after the exchange less ``size[a1]``; the search stops
+    once that bound is above the best so far, or above ``target`` (which the load after the
+    exchange may not exceed), by a slack above rounding.
+    """
+    order, key = by_room
     num_gpus, slots = gpu_exp.shape
     tol = _REL_TOL * target
+    slack = 1e-9 * target
     a1 = gpu_exp[cg[0], ci[0]]
     last = cg[m - 1]
     ck = cj = -1
     ck_load = 0.0
-    for k in range(num_gpus):
+    for r in range(num_gpus):
+        k = order[r]
+        if key[k] + size[a1] > (ck_load if ck >= 0 else target + tol) + slack:
+            break  # no slot of this GPU or the next ones fits, or beats the best
         if mark[k] == stamp or cur[k, a1] > 0:
-            continue
-        if ck >= 0 and load[k] + size[a1] - gpu_max[k] >= ck_load:
             continue
         room = target - load[k] - size[a1]
         for j in range(slots):
@@ -282,7 +290,7 @@ def _close_chain(size, hold, cur, gpu_exp, load, target, cg, ci, m, mark, stamp,
             if sc > limit + tol or -sc > room + tol or cur[last, c] > 0:
                 continue
             nl = load[k] + size[a1] - sc
-            if ck < 0 or nl < ck_load:
+            if ck < 0 or nl < ck_load or (nl == ck_load and (k < ck or (k == ck and j < cj))):
                 ck = k
                 cj = j
                 ck_load = nl
@@ -328,11 +336,14 @@ def _best_chain(
     bm = 0
     bk = bj = -1
     stamp = 0
-    gpu_max = np.zeros(num_gpus)
+    key = np.empty(num_gpus)  # GPUs by their load less their largest replica (_close_chain)
     for g in range(num_gpus):
         mark[g] = 0
+        top = 0.0
         for j in range(slots):
-            gpu_max[g] = max(gpu_max[g], size[gpu_exp[g, j]])
+            top = max(top, size[gpu_exp[g, j]])
+        key[g] = load[g] - top
+    by_room = (np.argsort(key, kind="mergesort"), key)
     for h1 in range(num_gpus):
         if load[h1] <= target + tol:
             continue
@@ -351,7 +362,7 @@ def _best_chain(
                 if m >= 2:  # a chain of one heavy GPU is a swap
                     ck, cj, ck_load = _close_chain(
                         size, hold, cur, gpu_exp, load, target, cg, ci, m, mark, stamp, limit,
-                        gpu_max,
+                        by_room,
                     )  # fmt: skip
                 if ck >= 0:
                     cost, red = _chain_value(
