@@ -76,7 +76,10 @@ def _best_count_change(
     only if an upper bound on its reduction can beat the best step so far: ``b``'s replicas
     shrink by ``size[b] - w[b] / (cnt[b] + 1)``, lowering each holder's excess by at most that,
     ``h``'s excess falls by at most ``size[a] - w[b] / (cnt[b] + 1)``, and ``a``'s other
-    replicas only grow.
+    replicas only grow. A second, tighter bound counts the growth of ``a``'s replicas exactly
+    (per ``(h, i)``, once for every ``b``), ``h``'s change exactly, and for each holder of ``b``
+    at most ``min(shrink, its excess after a's growth)``; both bounds carry a slack above any
+    rounding, so they only skip steps that cannot be taken.
     """
     dl, mark, touched, hot_list, reach = scratch
     num_gpus, slots = gpu_exp.shape
@@ -89,15 +92,20 @@ def _best_count_change(
     for g in range(num_gpus):
         mark[g] = 0
     n_hot = 0
+    nb_of = np.empty(num_log)  # size of b's replicas after the step
     for b in range(num_log):
         r = 0.0
-        shrink = size[b] - w[b] / (cnt[b] + 1)
+        nb_of[b] = w[b] / (cnt[b] + 1)
+        shrink = size[b] - nb_of[b]
         for k in range(start[b], start[b + 1]):
             r += min(excess(load[gpus[k]], target), shrink)
         reach[b] = r
         if hot[b]:
             hot_list[n_hot] = b
             n_hot += 1
+    amark = np.zeros(num_gpus, dtype=np.int64)  # GPUs holding a (stamp), their growth
+    adl = np.zeros(num_gpus)
+    astamp = 0
     for pos in range(2 * num_gpus):  # GPUs above the target first: a high score early
         h = pos % num_gpus
         h_heavy = load[h] > target + tol
@@ -110,6 +118,23 @@ def _best_count_change(
             if cnt[a] < 2:
                 continue
             grow = w[a] / (cnt[a] - 1) - size[a]
+            # a's replicas grow: that part of the change, shared by every b
+            astamp += 1
+            for k in range(start[a], start[a + 1]):
+                g = gpus[k]
+                if amark[g] != astamp:
+                    amark[g] = astamp
+                    adl[g] = 0.0
+                adl[g] += grow
+            base = 0.0
+            for k in range(start[a], start[a + 1]):
+                g = gpus[k]
+                if g != h and amark[g] == astamp:
+                    amark[g] = -astamp  # counted once
+                    base += excess(load[g], target) - excess(load[g] + adl[g], target)
+            for k in range(start[a], start[a + 1]):
+                amark[gpus[k]] = astamp
+            h_after = load[h] + adl[h] - grow - size[a]
             for q in range(n_b):
                 b = q if h_heavy else hot_list[q]
                 if b == a or cur[h, b] > 0:
@@ -119,7 +144,7 @@ def _best_count_change(
                     continue
                 if cost > 0 and best_free:
                     continue
-                nb = w[b] / (cnt[b] + 1)
+                nb = nb_of[b]
                 bound = reach[b] + min(h_exc, max(size[a] - nb, 0.0)) + slack
                 if bound <= tol:
                     continue
@@ -129,6 +154,18 @@ def _best_count_change(
                 elif bound / cost <= best_score:
                     continue
                 shrink = size[b] - nb
+                bound = base + h_exc - excess(h_after + nb, target) + slack
+                for k in range(start[b], start[b + 1]):
+                    g = gpus[k]
+                    x = load[g] + adl[g] if amark[g] == astamp else load[g]
+                    bound += min(excess(x, target), shrink)
+                if bound <= tol:
+                    continue
+                if cost <= 0:
+                    if best_free and bound <= best_score:
+                        continue
+                elif bound / cost <= best_score:
+                    continue
                 stamp += 1
                 nt = 0
                 for k in range(start[a], start[a + 1]):
@@ -221,18 +258,29 @@ def _best_swap(size, hold, cur, gpu_exp, load, target, budget, moves, best_free,
 
 
 @jit
-def _close_chain(size, hold, cur, gpu_exp, load, target, cg, ci, m, mark, stamp, limit):
+def _close_chain(size, hold, cur, gpu_exp, load, target, cg, ci, m, mark, stamp, limit, by_room):
     """The light GPU ``k`` (slot ``j``) that closes the chain ``cg[:m], ci[:m]``: it takes the
     first GPU's replica and gives one of size at most ``limit`` to the last; among those, the
     lowest load after the exchange (lowest GPU, slot among equals). Returns ``(k, j, load of k
-    after)``, ``k = -1`` if none."""
+    after)``, ``k = -1`` if none.
+
+    ``by_room = (order, key)``: the GPUs by increasing ``key[k] = load[k] - (largest replica of
+    k)``, a lower bound on ``k``'s load after the exchange less ``size[a1]``; the search stops
+    once that bound is above the best so far, or above ``target`` (which the load after the
+    exchange may not exceed), by a slack above rounding.
+    """
+    order, key = by_room
     num_gpus, slots = gpu_exp.shape
     tol = REL_TOL * target
+    slack = 1e-9 * target
     a1 = gpu_exp[cg[0], ci[0]]
     last = cg[m - 1]
     ck = cj = -1
     ck_load = 0.0
-    for k in range(num_gpus):
+    for r in range(num_gpus):
+        k = order[r]
+        if key[k] + size[a1] > (ck_load if ck >= 0 else target + tol) + slack:
+            break  # no slot of this GPU or the next ones fits, or beats the best
         if mark[k] == stamp or cur[k, a1] > 0:
             continue
         room = target - load[k] - size[a1]
@@ -242,7 +290,7 @@ def _close_chain(size, hold, cur, gpu_exp, load, target, cg, ci, m, mark, stamp,
             if sc > limit + tol or -sc > room + tol or cur[last, c] > 0:
                 continue
             nl = load[k] + size[a1] - sc
-            if ck < 0 or nl < ck_load:
+            if ck < 0 or nl < ck_load or (nl == ck_load and (k < ck or (k == ck and j < cj))):
                 ck = k
                 cj = j
                 ck_load = nl
@@ -288,8 +336,14 @@ def _best_chain(
     bm = 0
     bk = bj = -1
     stamp = 0
+    key = np.empty(num_gpus)  # GPUs by their load less their largest replica (_close_chain)
     for g in range(num_gpus):
         mark[g] = 0
+        top = 0.0
+        for j in range(slots):
+            top = max(top, size[gpu_exp[g, j]])
+        key[g] = load[g] - top
+    by_room = (np.argsort(key, kind="mergesort"), key)
     for h1 in range(num_gpus):
         if load[h1] <= target + tol:
             continue
@@ -307,8 +361,9 @@ def _best_chain(
                 ck_load = 0.0
                 if m >= 2:  # a chain of one heavy GPU is a swap
                     ck, cj, ck_load = _close_chain(
-                        size, hold, cur, gpu_exp, load, target, cg, ci, m, mark, stamp, limit
-                    )
+                        size, hold, cur, gpu_exp, load, target, cg, ci, m, mark, stamp, limit,
+                        by_room,
+                    )  # fmt: skip
                 if ck >= 0:
                     cost, red = _chain_value(
                         size, hold, cur, gpu_exp, load, target, cg, ci, m, ck, cj, ck_load
