@@ -264,3 +264,12 @@ def test_decode_refusal_codes_and_conservation():
     with pytest.raises(AssertionError, match="decode conservation"):
         # a request both finished and refused is counted twice
         decode_metrics(_decode_run(finish_s=np.array([5.0, 6.0, 3.0, nan, 9.0, nan])))
+
+
+def test_rates_of_runs_shorter_than_a_second():
+    # Elapsed time is measured from the first arrival (prefill) or handover (decode), with a
+    # floor only against a zero-length run.
+    m = prefill_metrics(_prefill_run(end_s=1.5), edges=(1000,), offered_utilization=0.5)
+    assert m["busy_utilization"] == approx(12.0 / (6 * 0.5))
+    d = decode_metrics(_decode_run(end_s=1.5, step_time_s=0.4))
+    assert d["busy_fraction"] == approx(0.4 / (2 * 0.5))
