@@ -70,6 +70,7 @@ MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
             "tests/decode/test_batch.py",
             "tests/decode/test_room.py",
             "tests/decode/test_mutation_kernels.py",
+            "tests/decode/test_mutation_room.py",
         ),
     ),
     "decode/policies": (
