@@ -513,6 +513,51 @@ def _parse_only(values: list[str]) -> dict[str, set[int]]:
     return only
 
 
+def _summarise(name: str, mod: dict) -> dict:
+    """Recount a module's totals from its per-mutant results (after a merge)."""
+    results = mod["results"]
+    for r in results:
+        r.pop("equivalent", None)
+        if not r["killed"] and (name, r["id"]) in EQUIVALENT:
+            r["equivalent"] = EQUIVALENT[name, r["id"]]
+    killed = sum(r["killed"] for r in results)
+    equivalent = sum("equivalent" in r for r in results)
+    mod.update(
+        mutants_run=len(results),
+        killed=killed,
+        score=round(killed / len(results), 4) if results else None,
+        equivalent=equivalent,
+        score_without_equivalent=(
+            round(killed / (len(results) - equivalent), 4) if len(results) > equivalent else None
+        ),
+        survivors=[r for r in results if not r["killed"]],
+    )
+    return mod
+
+
+def merge_reports(reports: list[dict]) -> dict:
+    """One report from several runs, later ones first: a module run in full replaces the
+    earlier run of it; a partial run (``--only``) replaces those mutants' results only."""
+    out = {**reports[0], "modules": {}, "merged_from": [r["command"] for r in reports]}
+    for rep in reports:
+        for name, mod in rep["modules"].items():
+            if mod.get("error") or not mod["results"]:
+                out["modules"].setdefault(name, mod)
+                continue
+            old = out["modules"].get(name)
+            if old is None or not old["results"] or len(mod["results"]) >= len(old["results"]):
+                out["modules"][name] = mod
+            else:
+                by_id = {r["id"]: r for r in old["results"]}
+                by_id.update({r["id"]: r for r in mod["results"]})
+                old["results"] = [by_id[i] for i in sorted(by_id)]
+    for name, mod in out["modules"].items():
+        if mod["results"]:
+            _summarise(name, mod)
+    out["tables"] = [score_table(out)]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--module", action="append", choices=sorted(MODULES), help="repeatable")
@@ -527,7 +572,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--show", metavar="MODULE:ID", help="print the diff of one mutant and exit")
     ap.add_argument("--only", action="append", default=[], metavar="MODULE:ID,ID",
                     help="run only these mutants (of the sample)")  # fmt: skip
+    ap.add_argument("--merge", nargs="+", type=Path, metavar="JSON",
+                    help="merge these reports (later ones win) into --json and exit")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.merge:
+        merged = merge_reports([json.loads(p.read_text()) for p in args.merge])
+        if args.json:
+            _write(args.json, merged)
+        for name, r in merged["modules"].items():
+            print(name, r["killed"], r["mutants_run"], r.get("equivalent"))
+        return 0
     args.only = _parse_only(args.only)
     names = args.module or list(MODULES)
     if args.show:
