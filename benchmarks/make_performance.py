@@ -70,6 +70,12 @@ TABLE_SCRIPTS = (
     ("Trace replay (simulator)", "sim_targets.py", (), "sim_targets.json"),
     ("Router replicas in the simulator", "replica_sync.py", (), "replica_sync.json"),
     (
+        "Router replicas: decode balance through a real store",
+        "replica_balance.py",
+        ("--replicas", "16"),
+        "replica_balance.json",
+    ),
+    (
         "Router replicas: admission latency on a real store",
         "replica_latency.py",
         (),
