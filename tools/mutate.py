@@ -162,6 +162,7 @@ EQUIVALENT: dict[tuple[str, int], str] = {
     ("prefill/chunking", 58): "solve_chunk(0, p) is 0 anyway",
     ("prefill/chunking", 59): "the guess at no slack is corrected by the downward loop",
     ("prefill/chunking", 60): "a guess of -1 at no slack ends the plan as 0 does",
+    ("eplb/_primitives", 185): "adopt(): cnt.shape[0] -> cnt.shape[-1] on a 1-D array",
     ("core/cost", 56): "solve_chunk(min_chunk=1): a chunk below 1 is already 0",
     ("core/cost", 208): "n.shape[0] -> n.shape[-1] on a 1-D array",
     ("eplb/bounds", 15): "the fallback mean of a layer without load is never used (ratio 1.0 "

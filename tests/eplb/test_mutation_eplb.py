@@ -148,3 +148,13 @@ def test_loads_and_duplicates_of_a_packing(case):
             for skip in range(-1, new.shape[1]):
                 want = any(new[g, i] == e for i in range(new.shape[1]) if i != skip)
                 assert P.holds(new, g, e, skip) == want
+
+
+def test_repair_swaps_a_duplicate_with_the_closest_replica_on_gpu_zero():
+    gpu_exp = np.array([[1, 2], [0, 0]])  # GPU 1 holds expert 0 twice; GPU 0 is the only partner
+    size = np.array([3.0, 2.0, 1.0])
+    load = size[gpu_exp].sum(axis=1)
+    P.repair_duplicates(size, gpu_exp, load, 6.0)
+    assert gpu_exp.tolist() == [[0, 2], [1, 0]]  # expert 1 is closest in size to expert 0
+    assert P.count_duplicates(gpu_exp) == 0
+    assert np.array_equal(load, size[gpu_exp].sum(axis=1))
