@@ -69,7 +69,16 @@ from lbkit.sim.goodput import DEFAULT_SLO, attainment, find_goodput, with_rate
 from lbkit.sim.metrics import decode_metrics
 from lbkit.sim.policies_decode import DECODE_POLICIES, DEFAULT_DECODE_POLICY, LbkitDecode
 from lbkit.sim.workload import default_workload
-from run_record import PUBLIC_TRACES, ROOT, TRACES, csv_names, git_commit, load_avg, log
+from run_record import (
+    PUBLIC_TRACES,
+    ROOT,
+    TRACES,
+    csv_names,
+    git_commit,
+    load_avg,
+    log,
+    save_partial,
+)
 
 #: Trace name -> file under ``--trace-dir`` (default ``TRACES``; ``None``: the built-in workload).
 TRACE_FILES = PUBLIC_TRACES
@@ -309,20 +318,9 @@ def main(argv: list[str] | None = None) -> int:
                 "goodput": res,
             }
         )
-        _save(out, args.json, start, done=False)
-    _save(out, args.json, start, done=True)
+        save_partial(out, args.json, start, tables, done=False)
+    save_partial(out, args.json, start, tables, done=True)
     return 0
-
-
-def _save(out: dict, path: Path | None, start: float, *, done: bool) -> None:
-    # Written after every scenario (``complete`` false until the end).
-    out["complete"] = done
-    out["tables"] = tables(out)
-    out["machine"]["load_avg_end"] = load_avg()
-    out["wall_s"] = round(time.perf_counter() - start, 1)
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":

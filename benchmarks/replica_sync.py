@@ -55,7 +55,7 @@ from lbkit.sim.goodput_bench import DEFAULT_GOODPUT_OPTIONS, prefill_goodput, pr
 from lbkit.sim.metrics import decode_metrics
 from lbkit.sim.replicas import SYNC_MODES, ReplicaSync, decode_replicas, prefill_replicas
 from lbkit.sim.workload import default_workload
-from run_record import ROOT, csv_names, git_commit, load_avg, log
+from run_record import ROOT, csv_names, git_commit, load_avg, log, save_partial
 
 COST = "h800_dsv3"
 SEED = 0
@@ -219,24 +219,13 @@ def main(argv: list[str] | None = None) -> int:
                     start)  # fmt: skip
             cell["wall_s"] = round(time.perf_counter() - t0, 1)
             out["cells"].append(cell)
-            _save(out, args.json, start, done=False)
-    _save(out, args.json, start, done=True)
+            save_partial(out, args.json, start, tables, done=False)
+    save_partial(out, args.json, start, tables, done=True)
     for t in out["tables"]:
         print(t["title"])
         for row in [t["columns"], *t["rows"]]:
             print(" | ".join("" if v is None else str(v) for v in row))
     return 0
-
-
-def _save(out: dict, path: Path | None, start: float, *, done: bool) -> None:
-    # Written after every cell (``complete`` false until the end).
-    out["complete"] = done
-    out["tables"] = tables(out)
-    out["machine"]["load_avg_end"] = load_avg()
-    out["wall_s"] = round(time.perf_counter() - start, 1)
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -75,3 +75,17 @@ def csv_names(text: str | None, known: Iterable[str], what: str) -> list[str]:
         raise SystemExit(f"--{what}: unknown {bad[0] if bad else '(empty)'!r}; "
                          f"choose from {', '.join(known)}")  # fmt: skip
     return names
+
+
+def save_partial(out: dict, path: Path | None, start: float, tables, *, done: bool) -> None:
+    """Write a benchmark's results after every cell (``complete`` false until the end), so that
+    a long run that is stopped keeps what it measured: ``tables(out)`` rebuilds the tables."""
+    import json
+
+    out["complete"] = done
+    out["tables"] = tables(out)
+    out["machine"]["load_avg_end"] = load_avg()
+    out["wall_s"] = round(time.perf_counter() - start, 1)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(out, indent=1) + "\n")
