@@ -176,6 +176,18 @@ EQUIVALENT: dict[tuple[str, int], str] = {
     "after a swap was found, which sets it",
     ("eplb/_packing", 132): "_pair_makes_duplicate(): return None instead of False; both are "
     "false where the caller tests them",
+    ("eplb/greedy", 19): "_hierarchical(): log2mlog is written and never read (a dead store)",
+    ("eplb/greedy", 122): "warmup() only compiles: its inputs are never checked",
+    ("eplb/greedy", 123): "warmup() only compiles: its inputs are never checked",
+    ("eplb/greedy", 128): "warmup() only compiles: its inputs are never checked",
+    ("eplb/bounds", 7): "lower_bound(): a layer without load has bound 0, and max(0 / 1, 1) is "
+    "1 whichever test picks the ratio",
+    ("eplb/bounds", 13): "lower_bound(): as 7 (mean > -1 picks out / 1 = 0, then 1)",
+    ("eplb/bounds", 14): "lower_bound(): the inner guard only avoids 0 / 0 where the outer "
+    "test already picks 1",
+    ("eplb/bounds", 17): "lower_bound(): as 14",
+    ("eplb/greedy", 85): "warmup() only compiles: its inputs are never checked",
+    ("eplb/greedy", 104): "warmup() only compiles: its inputs are never checked",
     ("core/cost", 56): "solve_chunk(min_chunk=1): a chunk below 1 is already 0",
     ("core/cost", 208): "n.shape[0] -> n.shape[-1] on a 1-D array",
     ("eplb/bounds", 15): "the fallback mean of a layer without load is never used (ratio 1.0 "

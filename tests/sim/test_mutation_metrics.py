@@ -273,3 +273,11 @@ def test_rates_of_runs_shorter_than_a_second():
     assert m["busy_utilization"] == approx(12.0 / (6 * 0.5))
     d = decode_metrics(_decode_run(end_s=1.5, step_time_s=0.4))
     assert d["busy_fraction"] == approx(0.4 / (2 * 0.5))
+
+
+def test_per_bucket_slowdown_is_the_99th_percentile():
+    # Request 3 also finishes (TTFT 6 s, alone 4 s: slowdown 1.5) beside request 1 (slowdown 8).
+    run = _prefill_run(finish_s=np.array([3.0, 6.0, nan, 10.0]), tokens_computed=6600)
+    m = prefill_metrics(run, edges=(1000,), offered_utilization=0.5)
+    assert m["per_bucket"][">=1000"]["ttft_slowdown_p99"] == approx(1.5 + 0.99 * 6.5)
+    assert m["per_bucket"]["<1000"]["ttft_slowdown_p99"] == approx(2.0)
