@@ -281,3 +281,12 @@ def test_per_bucket_slowdown_is_the_99th_percentile():
     m = prefill_metrics(run, edges=(1000,), offered_utilization=0.5)
     assert m["per_bucket"][">=1000"]["ttft_slowdown_p99"] == approx(1.5 + 0.99 * 6.5)
     assert m["per_bucket"]["<1000"]["ttft_slowdown_p99"] == approx(2.0)
+
+
+def test_decode_window_of_steps_shorter_than_a_second():
+    # DACC order: mean, max, time, count imb, KV imb, steps, tokens, count floor
+    sums = np.array([0.3, 0.4, 0.5, 1.0, 0.75, 4.0, 36.0, 0.6])
+    w = decode_metrics(_decode_run(window_s=(2.0, 9.0), window_sums=sums))["window"]
+    assert w["balance_efficiency"] == approx(0.75)
+    assert (w["count_imbalance"], w["kv_imbalance"]) == (approx(2.0), approx(1.5))
+    assert w["count_imbalance_floor"] == approx(1.2)
