@@ -95,10 +95,12 @@ def _same(a, b) -> bool:
 
 
 def _exercise(bal: PrefillBalancer) -> None:
-    bal.route("new", 1000, 0, now_s=5.0)
+    # At times after the state's own clock (a restored round may start late, e.g. at 2**53 s).
+    t = max(5.0, float(bal.state_dict()["state"]["round_start_s"]))
+    bal.route("new", 1000, 0, now_s=t)
     bal.plan_engine(0, budget_s=0.05)
     bal.statistics()
-    bal.end_round(6.0)
+    bal.end_round(t * (1.0 + 2.0**-20) + 1.0)
     bal._check()
 
 
@@ -113,6 +115,9 @@ def _exercise(bal: PrefillBalancer) -> None:
 @example(path=("state", "seq", 0), value=2**70)
 @example(path=("state", "foreign", "work_s", 1), value=2**63 - 1)  # no exact float
 @example(path=("config", "choice", "spill_ratio"), value=2**63 - 1)
+@example(path=("config", "ranks_per_engine"), value=10**9)  # refused before any allocation
+@example(path=("state", "foreign", "num_requests", 7), value=2**63 - 1)  # sums would overflow
+@example(path=("state", "round_start_s"), value=2**53)  # a late clock: used after it
 def test_a_tampered_state_is_refused_by_name_or_restored_exactly(path, value):
     bad = _set(STATE, path, value)
     try:

@@ -39,16 +39,25 @@ class ForeignLoad(NamedTuple):
     num_requests: np.ndarray
 
 
+#: Largest foreign load per rank: requests, and seconds of quota or work. Far above any pool,
+#: and low enough that no sum with the ledger's own load can overflow.
+MAX_FOREIGN_REQUESTS = 2**40
+MAX_FOREIGN_S = 2.0**60
+
+
 def foreign_iv(quota_s: Any, work_s: Any, num_requests: Any, n: int) -> ForeignLoad:
-    """Validate a foreign load of ``n`` flat ranks: finite non-negative seconds, non-negative
-    integer requests (``ValueError``/``TypeError`` naming the argument)."""
+    """Validate a foreign load of ``n`` flat ranks: finite non-negative seconds up to
+    :data:`MAX_FOREIGN_S`, non-negative integer requests up to :data:`MAX_FOREIGN_REQUESTS`
+    (``ValueError``/``TypeError`` naming the argument)."""
     out = []
     for name, value in (("quota_s", quota_s), ("work_s", work_s)):
         arr = as_float_array(value, name, shape=(n,), nonnegative=True)
-        if not np.isfinite(arr).all():
-            raise ValueError(f"{name}: must be finite")
+        if not (arr <= MAX_FOREIGN_S).all():
+            raise ValueError(f"{name}: must be finite and at most 2**60 s")
         out.append(np.array(arr, dtype=np.float64))
-    count = as_int_array(num_requests, "num_requests", shape=(n,), min_value=0)
+    count = as_int_array(
+        num_requests, "num_requests", shape=(n,), min_value=0, max_value=MAX_FOREIGN_REQUESTS
+    )
     return ForeignLoad(out[0], out[1], count.astype(np.int64, copy=True))
 
 

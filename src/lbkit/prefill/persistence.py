@@ -195,6 +195,23 @@ def _requests(rows: Any, n: int, quota: Any) -> list[tuple[Any, int, int, int, i
     return out
 
 
+def check_pool_size(s: Any, num_engines: int, ranks_per_engine: int) -> None:
+    """The saved per-engine and per-rank lists have the configuration's lengths (checked before
+    anything is allocated for ``num_engines x ranks_per_engine`` ranks: a tampered pool size
+    must be refused by name, not exhaust the memory)."""
+    s = _mapping(s, "state.state")
+    for key in ("engine_bucket", "engine_state", "seq", "last_move_s"):
+        if not isinstance(s.get(key), list) or len(s[key]) != num_engines:
+            raise ValueError(
+                f"state.{key}: must be a list of {num_engines} entries (state.config.num_engines)"
+            )
+    n = num_engines * ranks_per_engine
+    if not isinstance(s.get("rank_load"), list) or len(s["rank_load"]) != n:
+        raise ValueError(
+            f"state.rank_load: must be a list of {n} numbers (num_engines x ranks_per_engine)"
+        )
+
+
 def read_state(
     s: Any, num_engines: int, ranks_per_engine: int, num_buckets: int, quota: Any
 ) -> dict[str, Any]:
@@ -402,6 +419,7 @@ class Persistent:
         me = replica_id_iv(store, replica_id)
         e, r, cost, choice, buckets, rounds = read_config(state)
         nb = buckets.num_buckets
+        check_pool_size(state.get("state"), e, r)  # before allocating for e x r ranks
         led = Ledger(e, r, cost)
         s = read_state(state.get("state"), e, r, nb, led.quota)
         initial = np.bincount(s["home"], minlength=nb)
