@@ -200,16 +200,12 @@ def check_pool_size(s: Any, num_engines: int, ranks_per_engine: int) -> None:
     anything is allocated for ``num_engines x ranks_per_engine`` ranks: a tampered pool size
     must be refused by name, not exhaust the memory)."""
     s = _mapping(s, "state.state")
-    for key in ("engine_bucket", "engine_state", "seq", "last_move_s"):
-        if not isinstance(s.get(key), list) or len(s[key]) != num_engines:
-            raise ValueError(
-                f"state.{key}: must be a list of {num_engines} entries (state.config.num_engines)"
-            )
-    n = num_engines * ranks_per_engine
-    if not isinstance(s.get("rank_load"), list) or len(s["rank_load"]) != n:
-        raise ValueError(
-            f"state.rank_load: must be a list of {n} numbers (num_engines x ranks_per_engine)"
-        )
+    e, n = num_engines, num_engines * ranks_per_engine
+    for key, size, what in (("engine_bucket", e, "integers"), ("engine_state", e, "integers"),
+                            ("seq", e, "integers"), ("last_move_s", e, "times or None"),
+                            ("rank_load", n, "numbers")):  # fmt: skip
+        if not isinstance(s.get(key), list) or len(s[key]) != size:
+            raise ValueError(f"state.{key}: must be a list of {size} {what}")
 
 
 def read_state(
