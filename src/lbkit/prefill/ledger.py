@@ -57,6 +57,7 @@ __all__ = [
     "as_time",
     "as_tokens",
     "hits_iv",
+    "remaining_quota",
     "route_iv",
 ]
 
@@ -175,6 +176,14 @@ def _flag(value: Any, i: int) -> bool:
     raise TypeError(f"finished[{i}]: must be a bool (or 0/1), got {type(value).__name__} {value!r}")
 
 
+def remaining_quota(c: QuadraticCost, remaining: int, prefix: int) -> float:
+    """``c.quota(remaining, prefix)`` in plain floats, seconds (0 for nothing left): the quota
+    of :class:`Ledger` (which needs no pool to compute it)."""
+    return (
+        remaining * (c.b + c.k * prefix + c.q * remaining) + c.gamma * prefix if remaining else 0.0
+    )
+
+
 class Ledger:
     """Requests by id, their FIFO queue per flat rank, and the per-rank sums in slot order.
 
@@ -230,12 +239,7 @@ class Ledger:
 
     def quota(self, remaining: int, prefix: int) -> float:
         """``cost.quota(remaining, prefix)`` in plain floats, seconds (0 for nothing left)."""
-        c = self.cost
-        return (
-            remaining * (c.b + c.k * prefix + c.q * remaining) + c.gamma * prefix
-            if remaining
-            else 0.0
-        )
+        return remaining_quota(self.cost, remaining, prefix)
 
     def relayout(self, order: list[int]) -> None:
         """Put the per-rank sums in a new slot order (``order[slot]`` is a flat rank)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Mapping
+from functools import partial
 from typing import Any, Self
 
 import numpy as np
@@ -32,7 +33,7 @@ from lbkit.core.validation import (
     set_rng_state,
 )
 from lbkit.prefill.foreign import foreign_iv
-from lbkit.prefill.ledger import MAX_TOKENS, Ledger, Request
+from lbkit.prefill.ledger import MAX_TOKENS, Ledger, Request, remaining_quota
 from lbkit.prefill.legacy import BUCKET_KEYWORDS, CHOICE_KEYWORDS, ROUND_KEYWORDS, from_keywords
 from lbkit.prefill.options import Buckets, RankChoice, Rounds
 from lbkit.prefill.pool import EnginePool
@@ -193,19 +194,6 @@ def _requests(rows: Any, n: int, quota: Any) -> list[tuple[Any, int, int, int, i
             raise ValueError(f"{name}.quota: {q} is not the remaining quota {want} of its tokens")
         out.append((rid, rank, total, cached, done, q))
     return out
-
-
-def check_pool_size(s: Any, num_engines: int, ranks_per_engine: int) -> None:
-    """The saved per-engine and per-rank lists have the configuration's lengths (checked before
-    anything is allocated for ``num_engines x ranks_per_engine`` ranks: a tampered pool size
-    must be refused by name, not exhaust the memory)."""
-    s = _mapping(s, "state.state")
-    e, n = num_engines, num_engines * ranks_per_engine
-    for key, size, what in (("engine_bucket", e, "integers"), ("engine_state", e, "integers"),
-                            ("seq", e, "integers"), ("last_move_s", e, "times or None"),
-                            ("rank_load", n, "numbers")):  # fmt: skip
-        if not isinstance(s.get(key), list) or len(s[key]) != size:
-            raise ValueError(f"state.{key}: must be a list of {size} {what}")
 
 
 def read_state(
@@ -415,9 +403,9 @@ class Persistent:
         me = replica_id_iv(store, replica_id)
         e, r, cost, choice, buckets, rounds = read_config(state)
         nb = buckets.num_buckets
-        check_pool_size(state.get("state"), e, r)  # before allocating for e x r ranks
-        led = Ledger(e, r, cost)
-        s = read_state(state.get("state"), e, r, nb, led.quota)
+        # Checked before anything is allocated for e x r ranks: a tampered pool size is refused
+        # by the lengths of the saved lists, never allocated.
+        s = read_state(state.get("state"), e, r, nb, partial(remaining_quota, cost))
         initial = np.bincount(s["home"], minlength=nb)
         bal = cls(
             e, r, cost=cost, choice=choice, rounds=rounds, now_s=s["round_start"],
