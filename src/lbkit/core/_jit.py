@@ -50,7 +50,6 @@ import contextlib
 import hashlib
 import os
 import shutil
-import subprocess
 import sys
 import time
 import types
@@ -434,42 +433,29 @@ _BACKGROUND_MAIN = "import sys, lbkit._warmup as w; sys.exit(w.main(sys.argv[1:]
 
 def _start_background_compile(package: str) -> None:
     """Start the background compiler of ``package`` once per package and process (module
-    docstring); does nothing without a disk cache or a Python executable."""
+    docstring); does nothing without a disk cache, a Python executable or ``os.posix_spawn``
+    (the disk cache needs ``fcntl``, so platforms without one have neither)."""
     if package in _BACKGROUND_STARTED:
         return
     _BACKGROUND_STARTED.add(package)
     root = cache_dir()
-    if root is None or not sys.executable:
+    if root is None or not sys.executable or not hasattr(os, "posix_spawn"):
         return
     env = dict(os.environ, LBKIT_JIT="inline", LBKIT_CACHE_DIR=str(Path(root).parent))
     env.pop("LBKIT_JIT_CACHE", None)
     _reap_background()
     argv = [sys.executable, "-c", _BACKGROUND_MAIN, "--background", package]
+    # Not subprocess.Popen: a Popen object dropped while its child runs warns (ResourceWarning,
+    # an error under ``-W error``); a spawned pid is reaped later.
+    actions = [(os.POSIX_SPAWN_OPEN, fd, os.devnull, os.O_RDWR, 0) for fd in (0, 1, 2)]
     with contextlib.suppress(OSError):
-        if hasattr(os, "posix_spawn"):
-            # Not subprocess.Popen: a Popen object dropped while its child runs warns
-            # (ResourceWarning, an error under ``-W error``); a spawned pid is reaped later.
-            actions = [(os.POSIX_SPAWN_OPEN, fd, os.devnull, os.O_RDWR, 0) for fd in (0, 1, 2)]
-            _BACKGROUND_PIDS.append(
-                os.posix_spawn(sys.executable, argv, env, file_actions=actions, setsid=True)
-            )
-        else:  # pragma: no cover - no fcntl there either, so no disk cache and no compiler
-            _BACKGROUND_PROCS.append(
-                subprocess.Popen(
-                    argv,
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                    env=env,
-                    start_new_session=True,
-                    close_fds=True,
-                )
-            )
+        _BACKGROUND_PIDS.append(
+            os.posix_spawn(sys.executable, argv, env, file_actions=actions, setsid=True)
+        )
 
 
 #: Background compilers started by this process, reaped (waited for) once they exit.
 _BACKGROUND_PIDS: list[int] = []
-_BACKGROUND_PROCS: list[subprocess.Popen] = []
 
 
 def _reap_background() -> None:
