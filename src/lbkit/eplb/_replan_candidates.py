@@ -19,6 +19,7 @@ __all__ = [
     "context",
     "matched_fresh",
     "mean_candidates",
+    "regrouped",
     "replan_all",
     "row_lb",
 ]
@@ -180,6 +181,16 @@ def replan_all(
     return phy2log, moves, regrouped
 
 
+def regrouped(row: np.ndarray, old_part: np.ndarray | None, args: ReplanArgs) -> bool:
+    """Whether one layer's ``phy2log`` row puts some expert group on another node than the old
+    plan's ``old_part`` (``None`` under the global policy: never)."""
+    if old_part is None:
+        return False
+    experts = args.problem.weight.shape[1]
+    part = old_partition(row[None, :], experts, args.num_groups, args.num_nodes)[0]
+    return not np.array_equal(part, old_part)
+
+
 def _gpu_counts(row: np.ndarray, num_gpus: int, experts: int) -> np.ndarray:
     """Replicas of every expert on every GPU of one layer, ``(num_gpus, experts)``."""
     out = np.zeros((num_gpus, experts), dtype=np.int64)
@@ -244,12 +255,8 @@ def mean_candidates(
             row, used = matched_fresh(prev[layer], ctx.fresh[layer], args)
             if used <= budget:
                 f_lb = row_lb(w, row, p.num_gpus)
-                parts = ctx.old_parts
-                regroup = parts is not None and not np.array_equal(
-                    old_partition(row[None, :], len(w), args.num_groups, args.num_nodes)[0],
-                    parts[layer],
-                )
-                opts.append((used, f_lb, row, bool(regroup)))
+                old_part = None if ctx.old_parts is None else ctx.old_parts[layer]
+                opts.append((used, f_lb, row, regrouped(row, old_part, args)))
         reached = np.inf
         for tol in levels:
             if reached <= ctx.fresh_lb[layer] * (1.0 + tol) * (1.0 + 1e-12):

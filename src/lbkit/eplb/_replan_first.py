@@ -20,7 +20,7 @@ import numpy as np
 
 from lbkit.core._jit import jit_disabled, jit_mode
 from lbkit.eplb._regroup import old_partition
-from lbkit.eplb._replan_candidates import matched_fresh, row_lb
+from lbkit.eplb._replan_candidates import matched_fresh, regrouped, row_lb
 from lbkit.eplb._replan_choice import select
 from lbkit.eplb._replan_layer import ReplanArgs, replan_subproblem
 from lbkit.eplb.balanced import balanced_rebalance
@@ -72,9 +72,8 @@ def replan_matched(args: ReplanArgs) -> tuple[np.ndarray, np.ndarray, np.ndarray
         if used > args.budget[layer] or v >= old_lb[layer] * (1.0 - 1e-12):
             continue  # over the layer's budget, or no better than keeping the old row
         rows[layer, 1], moves[layer, 1], lb[layer, 1] = row, used, v
-        if old_parts is not None:
-            parts = old_partition(row[None, :], experts, args.num_groups, args.num_nodes)[0]
-            regroup[layer, 1] = not np.array_equal(parts, old_parts[layer])
+        old_part = None if old_parts is None else old_parts[layer]
+        regroup[layer, 1] = regrouped(row, old_part, args)
     if args.scope == "layer" and args.total is None:
         choice = np.isfinite(lb[:, 1]).astype(np.int64)  # every layer that can reach a fresh row
     else:
