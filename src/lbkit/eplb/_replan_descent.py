@@ -146,26 +146,16 @@ def _best_count_change(
                     continue
                 nb = nb_of[b]
                 bound = reach[b] + min(h_exc, max(size[a] - nb, 0.0)) + slack
-                if bound <= tol:
-                    continue
-                if cost <= 0:
-                    if best_free and bound <= best_score:
-                        continue
-                elif bound / cost <= best_score:
-                    continue
+                if bound <= tol or _step_score(bound, cost, best_free, best_score) < 0.0:
+                    continue  # even the bound cannot beat the best step
                 shrink = size[b] - nb
                 bound = base + h_exc - excess(h_after + nb, target) + slack
                 for k in range(start[b], start[b + 1]):
                     g = gpus[k]
                     x = load[g] + adl[g] if amark[g] == astamp else load[g]
                     bound += min(excess(x, target), shrink)
-                if bound <= tol:
-                    continue
-                if cost <= 0:
-                    if best_free and bound <= best_score:
-                        continue
-                elif bound / cost <= best_score:
-                    continue
+                if bound <= tol or _step_score(bound, cost, best_free, best_score) < 0.0:
+                    continue  # even the bound cannot beat the best step
                 stamp += 1
                 nt = 0
                 for k in range(start[a], start[a + 1]):
