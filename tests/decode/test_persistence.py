@@ -16,6 +16,7 @@ import sys
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
+from tests import tamper
 
 from lbkit.core import DecodeCost
 from lbkit.decode import DecodeBalancer
@@ -41,43 +42,10 @@ def _busy() -> DecodeBalancer:
     return bal
 
 
-def _json(state):
-    return json.loads(json.dumps(state))
+STATE = tamper.json_copy(_busy().state_dict())
+LEAVES = [p for p in tamper.leaves(STATE) if p != ("version",)]
 
-
-def _leaves(obj, path=()):
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _leaves(v, (*path, k))
-    elif isinstance(obj, list) and obj:
-        for i, v in enumerate(obj):
-            yield from _leaves(v, (*path, i))
-    else:
-        yield path
-
-
-STATE = _json(_busy().state_dict())
-LEAVES = [p for p in _leaves(STATE) if p != ("version",)]
-
-values = st.one_of(
-    st.integers(-3, 3),
-    st.integers(-(2**70), 2**70),
-    st.sampled_from([2**52, 2**53, 2**53 + 1, 2**63 - 1, 2**63, -(2**63)]),
-    st.floats(allow_nan=True, allow_infinity=True),
-    st.none(),
-    st.booleans(),
-    st.text(max_size=3),
-    st.lists(st.integers(-2, 5), max_size=4),
-)
-
-
-def _set(state, path, value):
-    out = copy.deepcopy(state)
-    node = out
-    for key in path[:-1]:
-        node = node[key]
-    node[path[-1]] = value
-    return out
+values = tamper.values(2**52, 2**53, 2**53 + 1, 2**63 - 1, 2**63, -(2**63))
 
 
 def _exercise(bal: DecodeBalancer) -> None:
@@ -109,19 +77,19 @@ def _exercise(bal: DecodeBalancer) -> None:
 @example(path=("config", "cost", "a"), value=2**53 + 1)
 @example(path=("config", "lookahead_steps"), value=2**63 - 1)
 def test_a_tampered_state_is_refused_by_name_or_restored_exactly(path, value):
-    bad = _set(STATE, path, value)
+    bad = tamper.tampered(STATE, path, value)
     try:
         bal = DecodeBalancer.from_state_dict(bad)
     except ValueError as exc:
         assert str(exc).startswith(("state", "state.")), str(exc)
         return
     bal._check()
-    want = _json(bad)
+    want = tamper.json_copy(bad)
     cost = want["config"]["cost"]  # the cost model keeps floats: an int is taken as float(int)
     for key, v in cost.items():
         if isinstance(v, int) and not isinstance(v, bool):
             cost[key] = float(v)
-    assert _json(bal.state_dict()) == want
+    assert tamper.json_copy(bal.state_dict()) == want
     try:
         _exercise(bal)
     except ValueError as exc:  # e.g. the tampered capacities leave no room: a named refusal
@@ -131,7 +99,7 @@ def test_a_tampered_state_is_refused_by_name_or_restored_exactly(path, value):
 def test_json_and_pickle_round_trips_continue_exactly():
     bal = _busy()
     twins = [
-        DecodeBalancer.from_state_dict(_json(bal.state_dict())),
+        DecodeBalancer.from_state_dict(tamper.json_copy(bal.state_dict())),
         pickle.loads(pickle.dumps(bal)),
         copy.deepcopy(bal),
     ]
@@ -183,7 +151,7 @@ else:
 )
 def test_python_dash_o_refuses_the_same_states(path, value, field):
     assert __debug__, "the suite itself runs without -O"
-    bad = json.dumps(_set(STATE, path, value))
+    bad = json.dumps(tamper.tampered(STATE, path, value))
     out = subprocess.run(
         [sys.executable, "-O", "-c", _OPTIMISED], input=bad, capture_output=True, text=True,
         check=True,

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
+from tests import tamper
 
 from lbkit.core import PRESETS
 from lbkit.prefill import Buckets, PrefillBalancer, RankChoice, Rounds
@@ -43,43 +44,10 @@ def _busy() -> PrefillBalancer:
     return bal
 
 
-def _json(state):
-    return json.loads(json.dumps(state))
+STATE = tamper.json_copy(_busy().state_dict())
+LEAVES = [p for p in tamper.leaves(STATE) if p != ("version",)]
 
-
-def _leaves(obj, path=()):
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _leaves(v, (*path, k))
-    elif isinstance(obj, list) and obj:
-        for i, v in enumerate(obj):
-            yield from _leaves(v, (*path, i))
-    else:
-        yield path
-
-
-STATE = _json(_busy().state_dict())
-LEAVES = [p for p in _leaves(STATE) if p != ("version",)]
-
-values = st.one_of(
-    st.integers(-3, 3),
-    st.integers(-(2**70), 2**70),
-    st.sampled_from([2**53, 2**63 - 1, 2**63, -(2**63)]),
-    st.floats(allow_nan=True, allow_infinity=True),
-    st.none(),
-    st.booleans(),
-    st.text(max_size=3),
-    st.lists(st.integers(-2, 5), max_size=4),
-)
-
-
-def _set(state, path, value):
-    out = copy.deepcopy(state)
-    node = out
-    for key in path[:-1]:
-        node = node[key]
-    node[path[-1]] = value
-    return out
+values = tamper.values(2**53, 2**63 - 1, 2**63, -(2**63))
 
 
 def _same(a, b) -> bool:
@@ -119,21 +87,21 @@ def _exercise(bal: PrefillBalancer) -> None:
 @example(path=("state", "foreign", "num_requests", 7), value=2**63 - 1)  # sums would overflow
 @example(path=("state", "round_start_s"), value=2**53)  # a late clock: used after it
 def test_a_tampered_state_is_refused_by_name_or_restored_exactly(path, value):
-    bad = _set(STATE, path, value)
+    bad = tamper.tampered(STATE, path, value)
     try:
         bal = PrefillBalancer.from_state_dict(bad)
     except ValueError as exc:
         assert str(exc).startswith("state"), str(exc)
         return
     bal._check()
-    assert _same(_json(bal.state_dict()), _json(bad))
+    assert _same(tamper.json_copy(bal.state_dict()), tamper.json_copy(bad))
     _exercise(bal)
 
 
 def test_json_and_pickle_round_trips_continue_exactly():
     bal = _busy()
     twins = [
-        PrefillBalancer.from_state_dict(_json(bal.state_dict())),
+        PrefillBalancer.from_state_dict(tamper.json_copy(bal.state_dict())),
         pickle.loads(pickle.dumps(bal)),
         copy.deepcopy(bal),
     ]
@@ -181,7 +149,7 @@ else:
     ],
 )
 def test_python_dash_o_refuses_the_same_states(path, value, field):
-    bad = json.dumps(_set(STATE, path, value))
+    bad = json.dumps(tamper.tampered(STATE, path, value))
     out = subprocess.run(
         [sys.executable, "-O", "-c", _OPTIMISED], input=bad, capture_output=True, text=True,
         check=True,
