@@ -62,6 +62,7 @@ EPLB_TESTS = (
     *_EPLB_FAST,
     "tests/eplb/test_golden.py",
     "tests/eplb/test_mutation_eplb.py",
+    "tests/eplb/test_mutation_packing.py",
     "tests/eplb/test_greedy_range.py",
 )
 
@@ -176,7 +177,17 @@ EQUIVALENT: dict[tuple[str, int], str] = {
     "after a swap was found, which sets it",
     ("eplb/_packing", 132): "_pair_makes_duplicate(): return None instead of False; both are "
     "false where the caller tests them",
-    ("eplb/greedy", 19): "_hierarchical(): log2mlog is written and never read (a dead store)",
+    ("eplb/_packing", 154): "try_move(): best_g starts at -2 instead of -1, but the first GPU "
+    "holding the donor always replaces it (any finite load is below the initial inf)",
+    ("eplb/_packing", 158): "try_move(): without the break the scan goes on through the rest of "
+    "the GPU's slots; a second replica of the donor there has the same load and is not taken",
+    ("eplb/_packing", 185): "_improve_swaps(): bi starts at -2 instead of -1; both are < 0, the "
+    "only test made of it before a swap sets it",
+    ("eplb/_packing", 213): "_lpt(): ns >= 0 adds the case ns == 0, where the GPU is stashed and "
+    "taken straight back (the same GPU)",
+    ("eplb/_packing", 240): "_improve_swaps(): pruning at best_v - tol skips only partners h "
+    "with (top + load[h]) / 2 >= best_v - tol, whose swaps all have v >= that mean and so fail "
+    "the acceptance test v < best_v - tol anyway",
     ("eplb/greedy", 122): "warmup() only compiles: its inputs are never checked",
     ("eplb/greedy", 123): "warmup() only compiles: its inputs are never checked",
     ("eplb/greedy", 128): "warmup() only compiles: its inputs are never checked",
