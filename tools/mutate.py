@@ -188,6 +188,7 @@ EQUIVALENT: dict[tuple[str, int], str] = {
     ("eplb/_packing", 240): "_improve_swaps(): pruning at best_v - tol skips only partners h "
     "with (top + load[h]) / 2 >= best_v - tol, whose swaps all have v >= that mean and so fail "
     "the acceptance test v < best_v - tol anyway",
+    ("eplb/greedy", 19): "_hierarchical(): log2mlog is written and never read (a dead store)",
     ("eplb/greedy", 122): "warmup() only compiles: its inputs are never checked",
     ("eplb/greedy", 123): "warmup() only compiles: its inputs are never checked",
     ("eplb/greedy", 128): "warmup() only compiles: its inputs are never checked",

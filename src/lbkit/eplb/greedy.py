@@ -182,10 +182,12 @@ def _greedy_layer(w, num_phy, num_groups, num_nodes, num_gpus, phy2log, phyrank,
     gpack = np.empty(num_groups, dtype=np.int64)
     grank = np.empty(num_groups, dtype=np.int64)
     balanced_packing(group_load, num_nodes, gpack, grank)
+    log2mlog = np.empty(num_log, dtype=np.int64)
     mlog2log = np.empty(num_log, dtype=np.int64)
     for e in range(num_log):
         g = e // group_size
         m = (gpack[g] * groups_per_node + grank[g]) * group_size + e % group_size
+        log2mlog[e] = m
         mlog2log[m] = e
 
     # Steps 2 and 3 per node: replicate within the node, then pack its replicas to its GPUs.
