@@ -83,8 +83,11 @@ def bench_route(benchmark, ranks, options):
 
 @pytest.mark.parametrize("ranks", [64])
 def bench_route_per_rank_cache(benchmark, ranks):
-    # The default rule given the request's cached tokens on every rank (local prefix caches).
+    # The default rule given the request's cached tokens on every rank (local prefix caches),
+    # with every engine's running step reported (steps ending between 1 s and 2 s).
     bal = _pool(ranks, RankChoice())
+    for e in range(ranks // 4):
+        bal.step_started(e, 1.0 + e / (ranks // 4), now_s=0.0)
     ids = itertools.count()
     hits = (np.random.default_rng(1).integers(0, 16, size=ranks) * 512).astype(np.int64)
 
@@ -113,11 +116,13 @@ def _lockstep_inputs(ranks: int):
 @pytest.mark.parametrize("ranks", [64])
 def bench_lockstep_decision(benchmark, ranks):
     # The decision inside route(): the lockstep kernel over the ledger's arrays, with the
-    # request's cached tokens on every rank (what a router's prefix index gives).
+    # request's cached tokens on every rank (what a router's prefix index gives) and the time
+    # left in each engine's running step (the engines' step reports).
     work, count, hits, coef = _lockstep_inputs(ranks)
+    left = np.random.default_rng(3).random(ranks // 8)
 
     def decide():
-        return lockstep_scored(work, count, 0, ranks, 8, 8704, hits, 0, coef)
+        return lockstep_scored(work, count, 0, ranks, 8, 8704, hits, 0, coef, left)
 
     benchmark.group = f"prefill_route|{ranks}"
     k, score, hit = benchmark.pedantic(decide, rounds=ROUNDS, iterations=ITERATIONS,

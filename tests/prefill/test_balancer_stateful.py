@@ -25,6 +25,7 @@ class Model:
         self.live = {}  # id -> [total, cached, done, flat rank]
         self.status = {}  # id -> "live" | "finished" | "handed_back" | "refused"
         self.state = ["active"] * ENGINES  # "active"/"draining" as one: "in"; or "out"
+        self.step = [(-math.inf, -math.inf)] * ENGINES  # each engine's last reported step
 
     def quota(self, rid):
         total, cached, done, _ = self.live[rid]
@@ -117,7 +118,8 @@ class BalancerMachine(RuleBasedStateMachine):
                 y = work[x] + own
                 fin = min(max(y, top), math.ceil(y / 1.0)) if busy else y
                 weight = self.CHOICE.growth_weight if busy else self.CHOICE.idle_growth_weight
-                return fin + weight * max(0.0, y - top)
+                wait = max(0.0, self.model.step[e][1] - self.now)  # the rest of its step
+                return wait + fin + weight * max(0.0, y - top)
 
             best = min(lockstep_score(x) for x in cand)
             assert lockstep_score(f) <= best + 1e-9 * max(1.0, best)
@@ -281,6 +283,38 @@ class BalancerMachine(RuleBasedStateMachine):
                 v[2] = max(v[2], tokens)
             assert set(res.missing) == set(ids) - set(chosen)
 
+    @rule(
+        engine=st.integers(0, ENGINES - 1),
+        duration=st.floats(0, 600),
+        late=st.floats(0, 2),
+        dt=st.floats(0, 1),
+    )
+    def step_started(self, engine, duration, late, dt):
+        # The report of a step that started ``late`` seconds ago (reports may cross: one older
+        # than the engine's last is ignored).
+        start = self.tick(dt) - late
+        before = self.bal.statistics()
+        took = self.bal.step_started(engine, duration, now_s=start)
+        assert took == (start >= self.model.step[engine][0])
+        after = self.bal.statistics()
+        assert after.steps_reported == before.steps_reported + took
+        assert after.steps_stale == before.steps_stale + (not took)
+        if took:
+            self.model.step[engine] = (start, start + duration)
+
+    @precondition(lambda self: self.model.live)
+    @rule(data=st.data(), dt=st.floats(0, 1))
+    def step_started_from_own_plan(self, data, dt):
+        # Without a duration the step is the balancer's plan of the engine's queues.
+        rid = data.draw(st.sampled_from(self.live_ids()))
+        engine = self.model.live[rid][3] // RANKS
+        now = self.tick(dt)
+        if now < self.model.step[engine][0]:
+            return
+        plan = self.bal.plan_engine(engine, budget_s=self.CHOICE.step_budget_s)
+        assert self.bal.step_started(engine, now_s=now)
+        self.model.step[engine] = (now, now + plan.step_time_s)
+
     @rule()
     def save_and_restore(self):
         state = json.loads(json.dumps(self.bal.state_dict()))
@@ -299,6 +333,11 @@ class BalancerMachine(RuleBasedStateMachine):
             lambda: self.bal.record(["never-routed"], [1], [False], now_s=self.now),
             lambda: self.bal.record([], [], [True], now_s=self.now),
             lambda: self.bal.reassign("never-routed", 0, now_s=self.now),
+            lambda: self.bal.step_started(ENGINES, 1.0, now_s=self.now),
+            lambda: self.bal.step_started(0, -1.0, now_s=self.now),
+            lambda: self.bal.step_started(0, math.inf, now_s=self.now),
+            lambda: self.bal.step_started(0, 1.0, now_s=math.nan),
+            lambda: self.bal.step_started(0, 1e308, now_s=1e308),
             lambda: self.bal.reassign(
                 self.live_ids()[0] if self.model.live else "x", RANKS, now_s=self.now
             ),

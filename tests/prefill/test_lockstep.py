@@ -16,12 +16,13 @@ from lbkit.prefill.lockstep import N_COEF, lockstep_rank, lockstep_scored
 COST = PRESETS["h800_dsv3"].prefill
 
 
-def oracle(work, request, busy, budget, growth, idle_growth):
+def oracle(work, request, busy, budget, growth, idle_growth, left=None):
     """The module docstring's rule, written out rank by rank."""
     engines, ranks = work.shape
     scores = []
     for e in range(engines):
         top = max(work[e])
+        wait = 0.0 if left is None else left[e]
         for r in range(ranks):
             x = work[e, r] + request[e, r]
             if busy[e]:
@@ -29,7 +30,7 @@ def oracle(work, request, busy, budget, growth, idle_growth):
             else:
                 finish = x
             weight = growth if busy[e] else idle_growth
-            scores.append(finish + weight * max(0.0, x - top))
+            scores.append(wait + finish + weight * max(0.0, x - top))
     best = min(scores)
     return scores.index(best), scores
 
@@ -48,17 +49,20 @@ def pools(draw):
     budget = draw(st.sampled_from([0.25, 1.0, 2.0]))
     growth = draw(st.sampled_from([0.0, 0.6, 2.0]))
     idle_growth = draw(st.sampled_from([0.0, 0.1, 2.0]))
-    return work, request, budget, (growth, idle_growth)
+    left = draw(st.none() | st.lists(st.sampled_from([0.0, 0.2, 0.5, 1.0]), min_size=engines,
+                                     max_size=engines).map(np.array))  # fmt: skip
+    return work, request, budget, (growth, idle_growth), left
 
 
 @given(pools())
 def test_lockstep_rank_equals_the_oracle(case):
-    work, request, budget, growth = case
+    work, request, budget, growth, left = case
     busy = work.max(axis=1) > 0.0
     got = lockstep_rank(
-        work, request, step_budget_s=budget, growth_weight=growth[0], idle_growth_weight=growth[1]
-    )
-    want, scores = oracle(work, request, busy, budget, *growth)
+        work, request, step_budget_s=budget, growth_weight=growth[0], idle_growth_weight=growth[1],
+        step_left_s=left,
+    )  # fmt: skip
+    want, scores = oracle(work, request, busy, budget, *growth, left)
     # equal objective; the oracle's first minimum is the lowest flat index
     assert scores[got] == pytest.approx(scores[want], abs=1e-9)
     assert got == want or scores[got] == scores[want]
@@ -68,7 +72,7 @@ def test_lockstep_rank_equals_the_oracle(case):
 def test_balancer_kernel_equals_the_pure_rule(case, total, data):
     """``lockstep_scored`` (per-slot cached tokens, cost coefficients) scores like
     ``lockstep_rank`` given the request's work per rank."""
-    work, _, budget, growth = case
+    work, _, budget, growth, left = case
     engines, ranks = work.shape
     n = engines * ranks
     hit = np.array(data.draw(st.lists(st.integers(0, total - 1), min_size=n, max_size=n)))
@@ -77,9 +81,11 @@ def test_balancer_kernel_equals_the_pure_rule(case, total, data):
     coef[:] = (COST.b, COST.k, COST.q, COST.gamma, COST.moe_s_per_token, budget, *growth)
     rem = total - hit
     request = (COST.quota(rem, hit) + COST.moe_s_per_token * rem).reshape(engines, ranks)
-    k, score, cached = lockstep_scored(work.ravel(), count, 0, n, ranks, total, hit, 0, coef)
+    per_block = np.zeros(0) if left is None else left  # empty: no step reports
+    k, score, cached = lockstep_scored(work.ravel(), count, 0, n, ranks, total, hit, 0, coef,
+                                       per_block)  # fmt: skip
     busy = count.reshape(engines, ranks).any(axis=1)
-    want, scores = oracle(work, request, busy, budget, *growth)
+    want, scores = oracle(work, request, busy, budget, *growth, left)
     assert score == pytest.approx(scores[want], rel=1e-12, abs=1e-12)
     assert cached == hit[k]
 
@@ -171,6 +177,33 @@ def test_lockstep_rank_rejects_bad_input():
         lockstep_rank([[1.0, 2.0]], 0.5, idle_growth_weight=-1.0)
     with pytest.raises(TypeError, match="busy"):
         lockstep_rank([[1.0, 2.0]], 0.5, busy=[1])
+    with pytest.raises(ValueError, match="step_left_s"):
+        lockstep_rank([[1.0, 2.0]], 0.5, step_left_s=[0.1, 0.2])
+    with pytest.raises(ValueError, match="step_left_s"):
+        lockstep_rank([[1.0, 2.0]], 0.5, step_left_s=[-0.1])
+    with pytest.raises(ValueError, match="step_left_s"):
+        lockstep_rank([[1.0, 2.0]], 0.5, step_left_s=[np.nan])
+
+
+@given(pools(), st.floats(0.0, 5.0))
+def test_an_equal_wait_everywhere_changes_no_choice(case, wait):
+    """Step reports only shift an engine's scores: the same time left everywhere is the rule
+    without reports."""
+    work, request, budget, growth, _ = case
+    kw = dict(step_budget_s=budget, growth_weight=growth[0], idle_growth_weight=growth[1])
+    same = np.full(work.shape[0], wait)
+    assert lockstep_rank(work, request, step_left_s=same, **kw) == lockstep_rank(
+        work, request, **kw
+    )
+
+
+def test_a_short_prompt_goes_to_the_engine_whose_step_ends_first():
+    """Two busy engines, each with a long prompt on rank 0: the same score without reports
+    (the lowest index wins), the engine whose running step ends first with them."""
+    work = [[3.0, 0.0], [3.0, 0.0]]
+    assert lockstep_rank(work, 0.1) == 1
+    assert lockstep_rank(work, 0.1, step_left_s=[0.9, 0.2]) == 3
+    assert lockstep_rank(work, 0.1, step_left_s=[0.2, 0.9]) == 1
 
 
 def test_an_idle_engine_beats_a_busy_engines_idle_rank_for_a_short_prompt():

@@ -28,7 +28,8 @@ COST = PRESETS["h800_dsv3"].prefill
 
 def _busy() -> PrefillBalancer:
     """Every part of the state in use: buckets with a round behind them, progress, a report,
-    a draining engine, a foreign load and the sampling rng."""
+    step reports (one with the balancer's own plan), a draining engine, a foreign load and the
+    sampling rng."""
     bal = PrefillBalancer(
         4, 2, cost=COST, choice=RankChoice(), buckets=Buckets(edges=(16384,)),
         rounds=Rounds(round_s=1.0), rng=3,
@@ -37,6 +38,8 @@ def _busy() -> PrefillBalancer:
         bal.route(i, total, cached, now_s=0.1 * i)
     bal.chunk_done(0, 300, now_s=0.5)
     bal.report(0, 4, {0: 400}, now_s=0.6)
+    bal.step_started(1, 0.8, now_s=0.4)
+    bal.step_started(0, now_s=0.7)
     bal.set_foreign_load(quota_s=[0.1] * 8, work_s=[0.2] * 8, num_requests=[1] * 8)
     bal.end_round(1.2)
     bal.route("late", 5000, 0, now_s=1.3)

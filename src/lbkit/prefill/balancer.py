@@ -288,11 +288,15 @@ class PrefillBalancer(PoolControl, Persistent):
         return tuple(self._ledger.queues[engine * self._ranks + rank])
 
     # ------------------------------------------------------------------ routing
-    def _choose(self, bucket: int, total: int, cached: int, hits: Any) -> tuple[int, str, int]:
+    def _choose(
+        self, bucket: int, total: int, cached: int, hits: Any, now: float
+    ) -> tuple[int, str, int]:
         pool = self._pool
+        left = pool.step_left(now)
         return self._chooser.choose(
-            self._ledger, pool.layout, pool.order, bucket, total, cached, hits
-        )
+            self._ledger, pool.layout, pool.order, bucket, total, cached, hits,
+            *(() if left is None else (left,)),
+        )  # fmt: skip
 
     def route(
         self, request_id: Hashable, total_tokens: int, cached_tokens: int = 0, *, now_s: float
@@ -360,7 +364,7 @@ class PrefillBalancer(PoolControl, Persistent):
         bucket = bisect.bisect_right(self._edges, total_tokens)
         if self._link is not None:
             self._pull()
-        slot, reason, cached = self._choose(bucket, total_tokens, cached_tokens, hits)
+        slot, reason, cached = self._choose(bucket, total_tokens, cached_tokens, hits, now_s)
         quota = led.quota(total_tokens - cached, cached)
         self._round_quota[bucket] += quota
         if slot < 0:
@@ -568,6 +572,8 @@ class PrefillBalancer(PoolControl, Persistent):
             drift_last_s=self._drift_last,
             drift_max_s=self._drift_max,
             reassigned=c["reassigned"],
+            steps_reported=c["steps_reported"],
+            steps_stale=c["steps_stale"],
             rank_foreign_load=tuple(foreign[0].tolist()),
             rank_foreign_requests=tuple(foreign[2].tolist()),
             **self._pool.statistics(),

@@ -10,7 +10,9 @@ which :class:`~lbkit.prefill.PrefillBalancer` inherits (``balancer.py`` has the 
   buckets (:mod:`~lbkit.prefill.rounds`; with a store, the round's leader plans for the fleet);
 - **remove_engine / restore_engine**: an engine out of service (its requests re-routed and
   returned) and back (:class:`~lbkit.prefill.pool.EnginePool`);
-- **report**: reconcile the ledger with an engine's report of its requests' progress.
+- **report**: reconcile the ledger with an engine's report of its requests' progress;
+- **step_started**: an engine's report that it started a step, and how long the step will last
+  (the lockstep rule waits out the rest of it).
 
 Engine reports
 --------------
@@ -20,10 +22,24 @@ so it could not be reconciled into a per-request ledger). Progress is monotone, 
 ever moves a request forward; a report whose sequence number is not newer than the last accepted
 one is stale and ignored. ``drift_s`` is how far the ledger's remaining quota was from the
 report's before reconciliation, summed over the reported requests.
+
+Step reports
+------------
+An engine's ranks step together, and a request that reaches an engine during a step joins the
+next one. So where a request finishes first depends on when each engine's running step ends:
+engines are out of phase with each other, and on a busy pool a short prompt finishes soonest on
+the engine whose step ends next. The router cannot see the phases from its ledger; an engine
+tells it at each step's start (``step_started``, with the step's planned duration, which the
+engine knows from its plan, e.g. :meth:`PrefillBalancer.plan_engine`'s ``step_time_s``, or
+from the cost model). The lockstep rule then scores the engine's ranks with the rest of that
+step (:mod:`~lbkit.prefill.lockstep`). Without reports every engine counts as between steps,
+the rule as it was. A report older than the engine's last one (by start time) is stale and
+ignored (reports may cross on the way).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Mapping
 from typing import Any
 
@@ -31,10 +47,10 @@ import numpy as np
 
 from lbkit.core.engines import OUT
 from lbkit.core.replica import ReplicaLink
-from lbkit.core.validation import check_int
+from lbkit.core.validation import check_int, check_real
 from lbkit.prefill.foreign import ForeignLoad, foreign_iv
 from lbkit.prefill.ledger import Ledger, as_time
-from lbkit.prefill.options import Rounds
+from lbkit.prefill.options import RankChoice, Rounds
 from lbkit.prefill.pool import EnginePool
 from lbkit.prefill.results import ReportResult, RoundResult, RouteDecision
 from lbkit.prefill.rounds import replan, smoothed_demand
@@ -51,6 +67,7 @@ class PoolControl:
 
     _num_engines: int
     _ranks: int
+    _choice: RankChoice
     _rounds: Rounds
     _min_engines: np.ndarray | None
     _max_engines: np.ndarray | None
@@ -202,7 +219,7 @@ class PoolControl:
             Unknown engine or an engine already out of service.
         """
         engine = self._engine_iv(engine)
-        as_time(now_s)
+        now = as_time(now_s)
         self._pool.take_out(engine)
         r = self._ranks
         led = self._ledger
@@ -210,7 +227,7 @@ class PoolControl:
         for f in range(engine * r, engine * r + r):
             for req in list(led.queues[f].values()):
                 led.drop(req)
-                slot, reason, _ = self._choose(req.bucket, req.total, req.cached, None)
+                slot, reason, _ = self._choose(req.bucket, req.total, req.cached, None, now)
                 if slot < 0:
                     self._counts["handed_back"] += 1
                     moved.append((req.rid, RouteDecision(-1, -1, req.bucket, reason)))
@@ -286,3 +303,64 @@ class PoolControl:
         self._drift_max = max(self._drift_max, drift)
         self._push()
         return ReportResult(True, drift, unknown, missing)
+
+    def step_started(self, engine: int, duration_s: float | None = None, *, now_s: float) -> bool:
+        """Record that ``engine`` started a step at ``now_s``, planned to last ``duration_s``.
+
+        Until ``now_s + duration_s`` the lockstep rule adds the rest of the step to the score of
+        the engine's ranks (a request routed there joins the next step; module docstring).
+
+        Parameters
+        ----------
+        engine : int
+        duration_s : float, optional
+            The step's planned duration, seconds (>= 0, finite). Default: the balancer's own
+            plan of the engine's queues, :meth:`plan_engine` under
+            ``RankChoice.step_budget_s`` (O(requests of the engine)).
+        now_s : float
+            When the step started.
+
+        Returns
+        -------
+        bool
+            Whether the report was taken; ``False``: an engine's report older than its last one
+            (an earlier ``now_s``), ignored and counted in ``statistics().steps_stale``.
+
+        Raises
+        ------
+        ValueError
+            A bad engine index, a negative or non-finite duration or time (nothing changes).
+
+        Runtime complexity: O(1) with ``duration_s``.
+
+        Examples
+        --------
+        >>> from lbkit.core import PRESETS
+        >>> from lbkit.prefill import PrefillBalancer
+        >>> bal = PrefillBalancer(2, 1, cost=PRESETS["h800_dsv3"].prefill)
+        >>> [bal.route(i, 60000, 0, now_s=0.0).engine for i in "ab"]  # 9 s of work each
+        [0, 1]
+        >>> bal.step_started(0, 1.0, now_s=0.0), bal.step_started(1, 1.0, now_s=0.5)
+        (True, True)
+
+        At 0.6 s engine 0's step ends 0.4 s from now, engine 1's 0.9 s: a short prompt goes to
+        engine 0, whose next step starts first.
+
+        >>> bal.route("c", 1000, 0, now_s=0.6).engine
+        0
+        """
+        engine = self._engine_iv(engine)
+        now = as_time(now_s)
+        if duration_s is not None:
+            duration = check_real(duration_s, "duration_s", min_value=0.0)
+        else:
+            duration = self.plan_engine(engine, budget_s=self._choice.step_budget_s).step_time_s
+        if not math.isfinite(now + duration):
+            raise ValueError(f"duration_s: the step must end at a finite time, got {duration}")
+        pool = self._pool
+        if now < pool.step_start[engine]:
+            self._counts["steps_stale"] += 1
+            return False
+        pool.start_step(engine, now, now + duration)
+        self._counts["steps_reported"] += 1
+        return True

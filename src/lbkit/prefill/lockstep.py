@@ -19,11 +19,19 @@ lengthening its engine's work:
   request finishes after ``x``; on a busy one the rank's ``ceil(x / B)`` chunks each take a step
   of up to the budget ``B``, and steps are no longer than the engine's work lasts, so it finishes
   after ``finish = min(max(x, top), ceil(x / B) * B)``;
-- ``score = finish + weight * max(0, x - top)``: the engine's work grows by ``max(0, x - top)``,
-  and every later request of that engine waits in its longer steps. Lengthening a busy engine
-  also delays the requests already sharing its steps, so it weighs ``growth_weight``; waking
-  an idle engine weighs ``idle_growth_weight`` (smaller: with per-rank prefix caches a larger
-  one sends requests away from the busy rank that holds their prefix).
+- ``score = left + finish + weight * max(0, x - top)``: the engine's work grows by
+  ``max(0, x - top)``, and every later request of that engine waits in its longer steps.
+  Lengthening a busy engine also delays the requests already sharing its steps, so it weighs
+  ``growth_weight``; waking an idle engine weighs ``idle_growth_weight`` (smaller: with per-rank
+  prefix caches a larger one sends requests away from the busy rank that holds their prefix).
+- ``left``: the seconds until the engine's running step ends, when the engine reports its steps
+  (``0`` otherwise). A request routed during a step joins the next one, so it first waits out
+  the rest of the running step; engines that step in lockstep are out of phase with each
+  other, so a short prompt finishes soonest on the engine whose step ends next. Without step
+  reports the rule cannot tell the phases apart (``left = 0`` everywhere) and, on a pool where
+  every engine is busy, a short prompt waits for up to a whole step more than it needs (built-in
+  workload, 8 x 8 ranks, 8 requests/s: 0.9818 of requests meet their SLO without step reports,
+  0.9993 with them).
 
 The least score wins; ties go to the lowest flat index. With prefix caches ``request_s`` differs
 per rank (a rank holding the request's prefix computes fewer tokens), so the same score trades
@@ -71,15 +79,17 @@ def _score(x, top, busy, budget, growth, idle_growth):
 
 
 @jit
-def lockstep_scored(work, count, lo, hi, ranks, total, hit, hit0, coef):
+def lockstep_scored(work, count, lo, hi, ranks, total, hit, hit0, coef, left):
     """Lockstep choice over the slots ``lo:hi`` (whole engines of ``ranks`` contiguous slots).
 
     ``work[s]`` is a slot's queued work in step seconds, ``count[s]`` its requests (an engine
     is busy when any of its slots holds one). The request has ``total`` prompt tokens and, on
     slot ``s``, ``hit[s]`` of them cached (``hit0`` everywhere when ``hit`` is empty); its
     cost on a slot is the local quota of its uncached tokens plus their routed-expert time.
-    Returns ``(k, score, cached)``: the offset from ``lo`` of the lowest score (ties: the
-    lowest slot), that score and the request's cached tokens there. O(hi - lo).
+    ``left[s // ranks]`` is the time left in the running step of the engine at slot ``s``
+    (``left`` empty: none anywhere). Returns ``(k, score, cached)``: the offset from ``lo`` of
+    the lowest score (ties: the lowest slot), that score and the request's cached tokens there.
+    O(hi - lo).
     """
     b = coef[C_B]
     kk = coef[C_K]
@@ -90,6 +100,7 @@ def lockstep_scored(work, count, lo, hi, ranks, total, hit, hit0, coef):
     growth = coef[C_GROWTH]
     idle_growth = coef[C_IDLE_GROWTH]
     uniform = hit.shape[0] == 0
+    phased = left.shape[0] > 0
     best_k = -1
     best = np.inf
     best_hit = hit0
@@ -101,11 +112,12 @@ def lockstep_scored(work, count, lo, hi, ranks, total, hit, hit0, coef):
                 top = work[s]
             if count[s] > 0:
                 busy = True
+        wait = left[e0 // ranks] if phased else 0.0
         for s in range(e0, e0 + ranks):
             p = hit0 if uniform else hit[s]
             rem = total - p
             w = rem * (b + kk * p + q * rem) + gamma * p + moe * rem if rem > 0 else 0.0
-            v = _score(work[s] + w, top, busy, budget, growth, idle_growth)
+            v = wait + _score(work[s] + w, top, busy, budget, growth, idle_growth)
             if v < best:
                 best = v
                 best_k = s - lo
@@ -114,9 +126,9 @@ def lockstep_scored(work, count, lo, hi, ranks, total, hit, hit0, coef):
 
 
 @jit
-def _lockstep_flat(work, busy, request, ranks, budget, growth, idle_growth):
+def _lockstep_flat(work, busy, left, request, ranks, budget, growth, idle_growth):
     """:func:`lockstep_rank` on clean arrays: ``work`` and ``request`` of shape (n,), ``busy``
-    of shape (n // ranks,)."""
+    and ``left`` of shape (n // ranks,)."""
     best_k = -1
     best = np.inf
     for e in range(work.shape[0] // ranks):
@@ -126,7 +138,7 @@ def _lockstep_flat(work, busy, request, ranks, budget, growth, idle_growth):
             if work[s] > top:
                 top = work[s]
         for s in range(e0, e0 + ranks):
-            v = _score(work[s] + request[s], top, busy[e], budget, growth, idle_growth)
+            v = left[e] + _score(work[s] + request[s], top, busy[e], budget, growth, idle_growth)
             if v < best:
                 best = v
                 best_k = s
@@ -139,6 +151,7 @@ def lockstep_rank(
     /,
     *,
     busy: Any = None,
+    step_left_s: Any = None,
     step_budget_s: float = 1.0,
     growth_weight: float = 0.6,
     idle_growth_weight: float = 0.1,
@@ -154,6 +167,9 @@ def lockstep_rank(
         different cached prefixes of it.
     busy : array_like of bool, shape (engines,), optional
         Engines holding at least one request. Default: engines with positive work somewhere.
+    step_left_s : array_like of float, shape (engines,), optional
+        Seconds until each engine's running step ends (>= 0; 0 for an engine between steps).
+        Default: zeros (no step reports).
     step_budget_s : float, default 1.0
         The engines' step time budget, seconds (> 0).
     growth_weight : float, default 0.6
@@ -183,6 +199,12 @@ def lockstep_rank(
 
     >>> lockstep_rank([[0.5, 0.0], [0.0, 0.0]], [[0.2, 2.0], [2.0, 2.0]])
     0
+
+    Two busy engines, their steps out of phase: the short prompt goes to the engine whose
+    running step ends first.
+
+    >>> lockstep_rank([[3.0, 0.0], [3.0, 0.0]], 0.1, step_left_s=[0.9, 0.2])
+    3
     """
     work = as_float_array(work_s, "work_s", allow_empty=False, nonnegative=True)
     if work.ndim != 2:
@@ -202,6 +224,11 @@ def lockstep_rank(
             raise TypeError(f"busy: must be a boolean array, got dtype {on.dtype}")
         if on.shape != (work.shape[0],):
             raise ValueError(f"busy: must have shape ({work.shape[0]},), got {on.shape}")
+    if step_left_s is None:
+        left = np.zeros(work.shape[0])
+    else:
+        left = as_float_array(step_left_s, "step_left_s", shape=(work.shape[0],),
+                              nonnegative=True)  # fmt: skip
     budget = check_real(step_budget_s, "step_budget_s", min_value=0.0, strict_min=True)
     growth = check_real(growth_weight, "growth_weight", min_value=0.0)
     idle_growth = check_real(idle_growth_weight, "idle_growth_weight", min_value=0.0)
@@ -209,6 +236,7 @@ def lockstep_rank(
         _lockstep_flat(
             np.ascontiguousarray(work.ravel()),
             np.ascontiguousarray(on),
+            np.ascontiguousarray(left, dtype=np.float64),
             np.ascontiguousarray(req.ravel(), dtype=np.float64),
             work.shape[1],
             budget,
@@ -223,6 +251,7 @@ def warmup() -> None:
     work = np.array([1.0, 0.0, 0.0, 0.0])
     count = np.array([1, 0, 0, 0], dtype=np.int64)
     coef = np.array([1e-4, 0.0, 0.0, 0.0, 1e-4, 1.0, 0.6, 0.1])
-    lockstep_scored(work, count, 0, 4, 2, 100, np.zeros(0, dtype=np.int64), 0, coef)
-    lockstep_scored(work, count, 0, 4, 2, 100, np.zeros(4, dtype=np.int64), 0, coef)
-    _lockstep_flat(work, np.array([True, False]), np.full(4, 0.5), 2, 1.0, 0.6, 0.1)
+    none = np.zeros(0)
+    lockstep_scored(work, count, 0, 4, 2, 100, np.zeros(0, dtype=np.int64), 0, coef, none)
+    lockstep_scored(work, count, 0, 4, 2, 100, np.zeros(4, dtype=np.int64), 0, coef, none)
+    _lockstep_flat(work, np.array([True, False]), np.zeros(2), np.full(4, 0.5), 2, 1.0, 0.6, 0.1)

@@ -53,7 +53,7 @@ STATE_VERSION = 2
 #: The balancer's counters (see :class:`~lbkit.prefill.PrefillStatistics`).
 COUNTERS = (
     "routed", "finished", "refused", "handed_back", "rerouted", "moves", "rounds",
-    "reports_accepted", "reports_stale", "reassigned",
+    "reports_accepted", "reports_stale", "reassigned", "steps_reported", "steps_stale",
 )  # fmt: skip
 _COST_FIELDS = ("a", "b", "k", "q", "gamma", "b_moe", "moe_lb")
 _LOAD_RTOL = 1e-9  # saved rank loads against the sums of the saved quotas
@@ -196,6 +196,28 @@ def _requests(rows: Any, n: int, quota: Any) -> list[tuple[Any, int, int, int, i
     return out
 
 
+def _steps(start: Any, end: Any, e: int) -> tuple[np.ndarray, np.ndarray]:
+    """The engines' last reported steps (``None``: never; both lists absent in states saved
+    before step reports: none reported)."""
+    if start is None and end is None:
+        return np.full(e, -np.inf), np.full(e, -np.inf)
+    out = []
+    for name, value in (("state.step_start_s", start), ("state.step_end_s", end)):
+        if not isinstance(value, list) or len(value) != e:
+            raise ValueError(f"{name}: must be a list of {e} times or None")
+        out.append(np.asarray(
+            [-np.inf if t is None else _real(t, f"{name}[{i}]") for i, t in enumerate(value)],
+            dtype=np.float64,
+        ))  # fmt: skip
+    for i, (a, b) in enumerate(zip(*out, strict=True)):
+        if (a == -np.inf) != (b == -np.inf) or a > b:
+            raise ValueError(
+                f"state.step_end_s[{i}]: a step must end at or after its start "
+                f"(start {start[i]}, end {end[i]})"
+            )
+    return out[0], out[1]
+
+
 def read_state(
     s: Any, num_engines: int, ranks_per_engine: int, num_buckets: int, quota: Any
 ) -> dict[str, Any]:
@@ -226,6 +248,7 @@ def read_state(
             [-np.inf if t is None else _real(t, "state.last_move_s") for t in last],
             dtype=np.float64,
         )
+        step_start, step_end = _steps(s.get("step_start_s"), s.get("step_end_s"), e)
         load = _floats(s.get("rank_load"), "state.rank_load", n)
         round_quota = _floats(s.get("round_quota"), "state.round_quota", nb)
         demand = _floats(s.get("demand"), "state.demand", nb)
@@ -273,6 +296,7 @@ def read_state(
             raise ValueError(f"state.foreign.{exc}") from None
     return {
         "home": home, "state": eng_state.astype(np.int8), "seq": seq, "last_move": last_move,
+        "step_start": step_start, "step_end": step_end,
         "load": load, "round_quota": round_quota.tolist(), "demand": demand,
         "round_start": round_start, "drift_last": drift_last, "drift_max": drift_max,
         "counts": counts, "requests": requests, "rng": rng, "foreign": foreign,
@@ -298,6 +322,8 @@ def _state_part(
         "engine_state": pool.state.tolist(),
         "last_move_s": [None if t == -np.inf else t for t in pool.last_move.tolist()],
         "seq": pool.seq.tolist(),
+        "step_start_s": [None if t == -np.inf else t for t in pool.step_start.tolist()],
+        "step_end_s": [None if t == -np.inf else t for t in pool.step_end.tolist()],
         "rank_load": led.rank_loads().tolist(),
         "requests": [
             [q.rid, q.rank, q.total, q.cached, q.done, q.quota]
@@ -413,7 +439,8 @@ class Persistent:
                             tuple(initial.tolist())),
         )  # fmt: skip
         bal._buckets = buckets
-        bal._pool.restore(s["home"], s["state"], s["last_move"], s["seq"])
+        bal._pool.restore(s["home"], s["state"], s["last_move"], s["seq"], s["step_start"],
+                          s["step_end"])  # fmt: skip
         _restore_ledger(bal._ledger, s, bal._edges)
         bal._round_quota = s["round_quota"]
         bal._demand = s["demand"]

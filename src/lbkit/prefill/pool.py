@@ -8,6 +8,8 @@ keeps one and calls it):
   ``OUT``);
 - ``last_move[e]``: when it last changed bucket, seconds (``-inf``: never);
 - ``seq[e]``: the sequence number of its last accepted report (``-1``: none);
+- ``step_start[e]``, ``step_end[e]``: when its last reported step started and ends
+  (``-inf``: never reported);
 
 and the routing :class:`~lbkit.prefill.choice.Layout` these give (:func:`layout`), rebuilt, with
 the ledger's slot order, whenever an engine changes state or bucket.
@@ -54,6 +56,9 @@ class EnginePool:
         self.state = np.full(e, ACTIVE, dtype=np.int8)
         self.last_move = np.full(e, -np.inf)
         self.seq = np.full(e, -1, dtype=np.int64)
+        self.step_start = np.full(e, -np.inf)
+        self.step_end = np.full(e, -np.inf)
+        self.last_end = -np.inf  # the latest step end: no step runs after it
         self.num_buckets = num_buckets
         self.ranks = ledger.ranks
         self.ledger = ledger
@@ -63,13 +68,36 @@ class EnginePool:
         """Recompute the routing slices after engines changed state or bucket."""
         self.layout = layout(self.home, self.state, self.num_buckets, self.ranks)
         self.order = np.asarray(self.layout.order, dtype=np.int64)
+        self.block_engine = self.order[:: self.ranks] // self.ranks  # engine of each slot block
         self.ledger.relayout(self.layout.order)
 
+    def start_step(self, engine: int, start: float, end: float) -> None:
+        """Take an engine's report of a step from ``start`` to ``end`` (checked by the caller)."""
+        self.step_start[engine] = start
+        self.step_end[engine] = end
+        self.last_end = float(self.step_end.max())
+
+    def step_left(self, now: float) -> np.ndarray | None:
+        """Seconds left at ``now`` in each slot block's engine's running step (0 between steps
+        or never reported), in slot-block order: the lockstep rule's ``left``; ``None`` when no
+        step runs at ``now``."""
+        if self.last_end <= now:
+            return None
+        return np.maximum(self.step_end[self.block_engine] - now, 0.0)
+
     def restore(
-        self, home: np.ndarray, state: np.ndarray, last_move: np.ndarray, seq: np.ndarray
+        self,
+        home: np.ndarray,
+        state: np.ndarray,
+        last_move: np.ndarray,
+        seq: np.ndarray,
+        step_start: np.ndarray,
+        step_end: np.ndarray,
     ) -> None:
         """Take the arrays of a saved state (checked by :func:`~.persistence.read_state`)."""
         self.home, self.state, self.last_move, self.seq = home, state, last_move, seq
+        self.step_start, self.step_end = step_start, step_end
+        self.last_end = float(step_end.max()) if step_end.size else -np.inf
         self.rebuild()
 
     def counts(self, state: int | None = None) -> np.ndarray:
@@ -136,6 +164,10 @@ class EnginePool:
             if self.state[e] == DRAINING:
                 assert led.engine_requests(e) > 0, f"engine {e} drains an empty queue"
         assert ((self.home >= 0) & (self.home < nb)).all()
+        assert not np.isnan(self.step_end).any() and (self.step_end < np.inf).all()
+        assert (self.step_start <= self.step_end).all(), "a step ends before it starts"
+        assert self.last_end == self.step_end.max(), "the latest step end is stale"
+        assert (self.block_engine == self.order[::r] // r).all(), "slot blocks are stale"
         active = self.state == ACTIVE
         lay = self.layout
         assert lay.server == serving_buckets(self.counts(ACTIVE)).tolist(), "serving map is stale"

@@ -105,7 +105,9 @@ class PrefillStatistics:
     queued or running), ``routed`` (admitted), ``finished``, ``refused``, ``handed_back``,
     ``rerouted``; ``moves`` and ``rounds`` so far; reports ``reports_accepted`` and
     ``reports_stale``; ledger drift ``drift_last_s`` and ``drift_max_s``; ``reassigned``
-    (requests moved between ranks of their engine, :meth:`PrefillBalancer.reassign`). With a
+    (requests moved between ranks of their engine, :meth:`PrefillBalancer.reassign`);
+    ``steps_reported`` and ``steps_stale`` (engine step reports taken and ignored as older than
+    the engine's last, :meth:`PrefillBalancer.step_started`). With a
     store: ``store_views`` (good store calls), ``store_fallbacks`` (decisions on the fallback
     estimate), ``store_errors`` (failed calls), ``store_reconnects`` (whole publishes after a
     failure or a lost store) and the leader's duties (:mod:`lbkit.core.replica`):
@@ -140,6 +142,8 @@ class PrefillStatistics:
     drift_last_s: float
     drift_max_s: float
     reassigned: int = 0
+    steps_reported: int = 0
+    steps_stale: int = 0
     rank_foreign_load: tuple[float, ...] = ()
     rank_foreign_requests: tuple[int, ...] = ()
     store_views: int = 0

@@ -30,11 +30,14 @@ What each policy uses:
                    (the lockstep rule of :mod:`lbkit.prefill.lockstep` over the whole pool:
                    the rank where the request finishes first, engines stepping together, plus
                    a charge for lengthening its engine's work), fed the request's lengths and
-                   ``view.hit_tokens`` (its cached tokens on every rank) at routing and the
-                   progress, completion and move events (``reassign``)
+                   ``view.hit_tokens`` (its cached tokens on every rank) at routing, each
+                   engine's step starts and planned ends (``view.step_start_s`` /
+                   ``step_end_s``, :meth:`~lbkit.prefill.PrefillBalancer.step_started`), and
+                   the progress, completion and move events (``reassign``)
 ``lbkit_buckets``  ablation: the same with DeepSeek's length buckets, :data:`LBKIT_BUCKET_OPTIONS`
 ``lbkit_least_load`` ablation: engine-aware choice off (the least quota load, lowest index)
 ``lbkit_nocache``  ablation: cache-awareness off (the least of the per-rank hits everywhere)
+``lbkit_nosteps``  ablation: no step reports (every engine counts as between steps)
 ============== ======================================================================
 
 Under ``simulate_prefill(work_sharing="split")`` (context-parallel engines) ``lbkit bench``
@@ -206,7 +209,9 @@ class LbkitPrefill:
 
     The balancer routes each request (``route``) with the per-rank cached tokens of the view
     (``hit_tokens``, exact as from KV events; ``cache_aware=False`` passes their least instead),
-    learns its progress and completion from the events (``chunk_done``, ``finish``, and
+    learns each engine's steps as the engine reports them at their start (``step_started`` with
+    the view's ``step_start_s`` and planned ``step_end_s``; ``step_reports=False`` ignores
+    them), learns its progress and completion from the events (``chunk_done``, ``finish``, and
     ``reassign`` for moves) and re-plans engines per bucket whenever a round is due
     (``end_round``, checked at each arrival).
 
@@ -217,6 +222,7 @@ class LbkitPrefill:
     rng : numpy Generator, int seed or None
     name : str, default "lbkit"
     cache_aware : bool, default True
+    step_reports : bool, default True
     **options
         Passed to :class:`~lbkit.prefill.PrefillBalancer` (none: its defaults).
     """
@@ -230,20 +236,35 @@ class LbkitPrefill:
         rng: Any = None,
         name: str = "lbkit",
         cache_aware: bool = True,
+        step_reports: bool = True,
         **options: Any,
     ) -> None:
         self._r = ranks_per_engine
         self.name = name
         self._cache_aware = bool(cache_aware)
+        self._steps = bool(step_reports)
+        self._seen = np.full(num_engines, -np.inf)  # the start of each engine's last step seen
         self.balancer = PrefillBalancer(
             num_engines, ranks_per_engine, cost=cost, rng=rng, **options
         )
+
+    def _step_reports(self, view: Any) -> None:
+        """Report the steps that started since the last routing (an engine reports each step
+        at its start; the simulator's view holds the running one)."""
+        start, end = view.step_start_s, view.step_end_s
+        new = np.flatnonzero((start != self._seen) & (end < np.inf))
+        for e in new.tolist():
+            t = float(start[e])
+            self.balancer.step_started(e, float(end[e]) - t, now_s=t)
+            self._seen[e] = t
 
     def route(self, request: int, total_tokens: int, cached_tokens: int, /, *, now_s: float,
               view: Any) -> int:  # fmt: skip
         bal = self.balancer
         if bal.round_due(now_s):
             bal.end_round(now_s)
+        if self._steps and getattr(view, "step_start_s", None) is not None:
+            self._step_reports(view)
         hit = getattr(view, "hit_tokens", None)
         if hit is not None and hit.shape[0]:
             # per-rank cached tokens (exact, as from KV events), or the least of them
@@ -292,6 +313,13 @@ def _lbkit_nocache(
                         cache_aware=False)  # fmt: skip
 
 
+def _lbkit_nosteps(
+    num_engines: int, ranks_per_engine: int, *, cost: QuadraticCost, rng: Any = None
+):
+    return LbkitPrefill(num_engines, ranks_per_engine, cost=cost, rng=rng, name="lbkit_nosteps",
+                        step_reports=False)  # fmt: skip
+
+
 def context_parallel_policy(
     name: str, num_engines: int, ranks_per_engine: int, *, cost: QuadraticCost, rng: Any = None
 ) -> LbkitPrefill:
@@ -327,6 +355,7 @@ PREFILL_POLICIES: Mapping[str, Callable[..., Any]] = MappingProxyType(
         "lbkit_buckets": _lbkit_buckets,
         "lbkit_least_load": _lbkit_least_load,
         "lbkit_nocache": _lbkit_nocache,
+        "lbkit_nosteps": _lbkit_nosteps,
         "lbkit": _lbkit,
     }
 )

@@ -261,7 +261,9 @@ class PrefillPool:
         self._offsets = hash_offsets.tolist() if self._hash_ids is not None else []
         self.view = PrefillView(e, r, readonly(KI[L.KI_NREQ]), readonly(KI[L.KI_TOKENS]),
                                 readonly(KI[L.KI_WAIT]), readonly(KI[L.KI_KV]),
-                                kv_capacity_tokens, readonly(self._hit))  # fmt: skip
+                                kv_capacity_tokens, readonly(self._hit),
+                                step_start_s=readonly(EF[L.EF_READY]),
+                                step_end_s=readonly(EF[L.EF_END]))  # fmt: skip
         self.ran_cached = cached.copy()
 
     # ------------------------------------------------------------------ replay hooks

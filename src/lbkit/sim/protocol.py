@@ -93,6 +93,11 @@ class PrefillView(NamedTuple):
         ``block_tokens`` tokens; empty if the trace has none); valid during ``route``.
     block_tokens : int
         Tokens per prefix block (512).
+    step_start_s, step_end_s : ndarray of float64, shape (num_engines,)
+        Each engine's running step: its start and its end (``step_end_s`` is ``inf`` between
+        steps, when ``step_start_s`` is the end of the last step or the arrival that woke the
+        engine). What an engine tells a router when it starts a step: its planned duration,
+        which in the simulator is exact (engines and routers share the cost model).
 
     The simulator fills every field; a view built by hand with the first four only (e.g. to
     try a policy) has ``None`` for the other arrays.
@@ -108,6 +113,8 @@ class PrefillView(NamedTuple):
     hit_tokens: np.ndarray | None = None
     block_hashes: np.ndarray = _NO_HASHES
     block_tokens: int = BLOCK_TOKENS
+    step_start_s: np.ndarray | None = None
+    step_end_s: np.ndarray | None = None
 
     @property
     def num_running(self) -> np.ndarray:
