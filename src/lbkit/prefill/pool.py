@@ -150,6 +150,7 @@ class EnginePool:
             "bucket_server": tuple(self.layout.server),
             "engine_bucket": tuple(self.home.tolist()),
             "engine_state": tuple(STATE_NAMES[s] for s in self.state.tolist()),
+            "engine_step_end_s": tuple(self.step_end.tolist()),
         }
 
     def check(self) -> None:

@@ -100,23 +100,24 @@ class PrefillStatistics:
     Per rank (flat ``engine * ranks_per_engine + rank``): ``rank_load`` (the ledger's quota
     load, s), ``rank_foreign_load`` and ``rank_foreign_requests`` (other routers' quota load, s,
     and requests: :meth:`PrefillBalancer.set_foreign_load`).
-    Per engine: ``engine_bucket`` (home bucket) and ``engine_state``
-    (``"active"``, ``"draining"``, ``"out"``). Counters: requests ``queued`` (in the ledger,
-    queued or running), ``routed`` (admitted), ``finished``, ``refused``, ``handed_back``,
-    ``rerouted``; ``moves`` and ``rounds`` so far; reports ``reports_accepted`` and
-    ``reports_stale``; ledger drift ``drift_last_s`` and ``drift_max_s``; ``reassigned``
+    Per engine: ``engine_bucket`` (home bucket), ``engine_state`` (``"active"``, ``"draining"``,
+    ``"out"``) and ``engine_step_end_s`` (when its last reported step ends, ``-inf`` if none was
+    reported: :meth:`PrefillBalancer.step_started`). Counters: requests ``queued`` (in the
+    ledger, queued or running), ``routed`` (admitted), ``finished``, ``refused``,
+    ``handed_back``, ``rerouted``; ``moves`` and ``rounds`` so far; reports ``reports_accepted``
+    and ``reports_stale``; ledger drift ``drift_last_s`` and ``drift_max_s``; ``reassigned``
     (requests moved between ranks of their engine, :meth:`PrefillBalancer.reassign`);
     ``steps_reported`` and ``steps_stale`` (engine step reports taken and ignored as older than
-    the engine's last, :meth:`PrefillBalancer.step_started`). With a
-    store: ``store_views`` (good store calls), ``store_fallbacks`` (decisions on the fallback
-    estimate), ``store_errors`` (failed calls), ``store_reconnects`` (whole publishes after a
-    failure or a lost store) and the leader's duties (:mod:`lbkit.core.replica`):
-    ``store_reaped`` (silent replicas' contributions reaped as the holder of the reaper's
-    lease, counted per table: the load's and the round demand's), ``store_rounds_led`` (rounds
-    planned as the holder of the round's lease), ``store_plans_followed`` (the leader's plans
-    applied), ``store_plans_fenced`` (own plans refused by the fencing epoch: a newer leader
-    exists) and ``store_round_fallbacks`` (rounds planned on this replica's own figures
-    because the store did not answer).
+    the engine's last, :meth:`PrefillBalancer.step_started`). With a store: ``store_views``
+    (good store calls), ``store_fallbacks`` (decisions on the fallback estimate),
+    ``store_errors`` (failed calls), ``store_reconnects`` (whole publishes after a failure or a
+    lost store) and the leader's duties (:mod:`lbkit.core.replica`): ``store_reaped`` (silent
+    replicas' contributions reaped as the holder of the reaper's lease, counted per table: the
+    load's and the round demand's), ``store_rounds_led`` (rounds planned as the holder of the
+    round's lease), ``store_plans_followed`` (the leader's plans applied),
+    ``store_plans_fenced`` (own plans refused by the fencing epoch: a newer leader exists) and
+    ``store_round_fallbacks`` (rounds planned on this replica's own figures because the store
+    did not answer).
     """
 
     bucket_demand: tuple[float, ...]
@@ -144,6 +145,7 @@ class PrefillStatistics:
     reassigned: int = 0
     steps_reported: int = 0
     steps_stale: int = 0
+    engine_step_end_s: tuple[float, ...] = ()
     rank_foreign_load: tuple[float, ...] = ()
     rank_foreign_requests: tuple[int, ...] = ()
     store_views: int = 0
