@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from lbkit.core import PRESETS
@@ -157,12 +157,17 @@ class _Model:
         s = self.sync
         if s.mode == "none":
             return None
-        at = t - s.delay_s if s.mode == "shared" else math.floor(t / s.period_s) * s.period_s
-        # the state after the last event at or before `at` (reports: strictly before the first
-        # event after the report time, which is the same state)
         if s.mode == "reports":
-            past = [own for (te, own) in self.log if te < at]
+            # Report n is due at n * period_s: an event belongs to the state of the last report
+            # due by t when it fell in an earlier period. Periods are compared by index
+            # (floor(t / period_s)), as the simulator does: n * period_s rounds, e.g.
+            # 70 * 0.01 = 0.7000000000000001 > 0.7 although floor(0.7 / 0.01) = 70.
+            due = math.floor(t / s.period_s)
+            past = [own for (te, own) in self.log
+                    if te == -math.inf or math.floor(te / s.period_s) < due]  # fmt: skip
         else:
+            # the state after the last event at or before `at`
+            at = t - s.delay_s
             past = [own for (te, own) in self.log if te <= at]
         own = past[-1]  # the log starts with the empty ledgers at -inf
         return sum((own[i] for i in range(s.k) if i != j), np.zeros_like(own[j]))
@@ -170,7 +175,10 @@ class _Model:
 
 @settings(max_examples=25)
 @given(sync=syncs, seed=st.integers(0, 2**16), n=st.integers(5, 40))
+@example(sync=ReplicaSync(k=2, mode="reports", delay_s=0.0, period_s=0.01), seed=13, n=5)
 def test_prefill_replicas_see_the_others_load_of_their_sync_mode(sync, seed, n):
+    # The pinned example: two arrivals at 0.7 s with reports every 0.01 s, where the report
+    # time 70 * 0.01 rounds above 0.7 (the model once compared times, not periods).
     # Drive the policy by hand (no engine): arrivals at increasing times, some progress and
     # finishes; before each decision the deciding replica's foreign load is the model's.
     rng = np.random.default_rng(seed)
