@@ -343,7 +343,7 @@ def _goodput_section(data: dict[str, Any]) -> list[str]:
     if capped:
         lines += [
             f"The built-in workload is cut to its first {capped:,} requests "
-            "(`--workload-max-requests`) to keep the run within about half an hour on this "
+            "(`--workload-max-requests`) to keep the whole run within about an hour on this "
             "machine.",
             "",
         ]
