@@ -1,6 +1,7 @@
 """Decode balance of K router replicas through a real store beside one in-process balancer.
 
-``PYTHONPATH=src python benchmarks/replica_balance.py [--replicas K] [--ranks R] [--steps N]``
+``PYTHONPATH=src python benchmarks/replica_balance.py [--replicas K] [--ranks R] [--steps N]
+[--publishes applied,pipelined]``
 
 One engine of ``R`` ranks kept at about 64 running requests per rank (prompt KV lognormal,
 median about 3,000 tokens, capped at 60,000; 50 to 500 output tokens). Every arrival is
@@ -14,11 +15,12 @@ The replicas are called one after the other in one process, and each call's publ
 before the next call (``RedisStore.flush()``), so every view holds the exact totals and a run
 makes the same decisions every time: what this measures is the split of the ledger (each
 replica migrates only its own requests), not the staleness of concurrent views (the simulator's
-``benchmarks/replica_sync.py``). With ``--pipelined`` the publishes are left in flight, as
-replicas run: a publish is written to one connection and not waited for, and another replica's
-view written later on its own connection may reach the server first (the server serves
-connections in the order its event loop reads them). That interleaving varies from run to run,
-and so do the decisions (views missing a publish in flight are counted).
+``benchmarks/replica_sync.py``). In a second run (``--publishes pipelined``, a row of its own)
+the publishes are left in flight, as concurrent replicas leave them: a publish is written to
+one connection and not waited for, and another replica's view written later on its own
+connection may reach the server first (the server serves connections in the order its event
+loop reads them). That interleaving varies from run to run, and so do the decisions (views
+missing a publish in flight are counted).
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ import numpy as np
 
 from replica_latency import server_binaries, start_server
 
+#: How a replica's publishes reach the server before the next call (the module documentation).
+PUBLISHES = ("applied", "pipelined")
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -38,19 +43,32 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument(
-        "--pipelined",
-        action="store_true",
-        help="leave publishes in flight (decisions then vary from run to run)",
+        "--publishes",
+        default=",".join(PUBLISHES),
+        help="of applied (each call's publish applied before the next call: the same "
+        "decisions every run), pipelined (left in flight: decisions vary from run to run); "
+        "default both, one row each",
     )
     ap.add_argument("--json", help="write the figures and their table to this file")
     args = ap.parse_args()
+    modes = args.publishes.split(",")
+    if not modes or any(m not in PUBLISHES for m in modes):
+        raise SystemExit(f"--publishes: of {', '.join(PUBLISHES)}, got {args.publishes!r}")
     import lbkit
+
+    lbkit.warmup()
+    rows = [run(args, mode) for mode in modes]
+    if args.json:
+        _write(args, rows)
+
+
+def run(args, mode: str) -> list:
+    """One run of the stream under publishes ``mode``; its table row."""
     from lbkit.core import PRESETS
     from lbkit.core.metrics import balance_efficiency
     from lbkit.decode import DecodeBalancer
     from lbkit.replicas import RedisStore
 
-    lbkit.warmup()
     cost = PRESETS["h800_dsv3"].decode.with_combine("max")
     r, k = args.ranks, args.replicas
     rng = np.random.default_rng(args.seed)
@@ -63,7 +81,7 @@ def main() -> None:
 
         def applied(i: int) -> None:
             """Replica ``i``'s publishes are applied before another replica calls."""
-            if not args.pipelined:
+            if mode == "applied":
                 stores[i].flush()
 
         live: dict[int, int] = {}
@@ -110,19 +128,21 @@ def main() -> None:
                                                                one.kv_tokens())))  # fmt: skip
             eff_rep.append(balance_efficiency(cost.rank_step_s(tot_b, tot_s)))
         fallbacks = sum(rep.statistics().store_fallbacks for rep in reps)
-        if args.json:
-            _write(args, r, k, len(live) / r, nid, float(np.mean(eff_one)),
-                   float(np.mean(eff_rep)), fallbacks, stale)  # fmt: skip
-        print(
-            f"{r} ranks, {k} replicas, {args.steps} steps, {len(live) / r:.0f} running per rank "
-            f"at the end, {nid} arrivals: balance efficiency one balancer {np.mean(eff_one):.4f}, "
-            f"{k} replicas through the store {np.mean(eff_rep):.4f} (fallbacks {fallbacks}; "
-            f"{stale} of {views} views missed a publish in flight; "
-            f"{time.perf_counter() - t0:.0f} s)"
-        )
+        for st in stores:
+            st.close()
     finally:
         proc.kill()
         proc.wait()
+    e1, ek = float(np.mean(eff_one)), float(np.mean(eff_rep))
+    print(
+        f"{r} ranks, {k} replicas, publishes {mode}, {args.steps} steps, {len(live) / r:.0f} "
+        f"running per rank at the end, {nid} arrivals: balance efficiency one balancer "
+        f"{e1:.4f}, {k} replicas through the store {ek:.4f} (fallbacks {fallbacks}; {stale} of "
+        f"{views} views missed a publish in flight; {time.perf_counter() - t0:.0f} s)",
+        flush=True,
+    )
+    return [r, k, mode, args.steps, round(len(live) / r), nid, round(e1, 4), round(ek, 4),
+            round(e1 - ek, 4), fallbacks, stale, views]  # fmt: skip
 
 
 def _missed(reps, j: int) -> bool:
@@ -135,15 +155,12 @@ def _missed(reps, j: int) -> bool:
     return not (np.array_equal(f.num_requests, b) and np.array_equal(f.kv_tokens, s))
 
 
-def _write(args, ranks, k, running, arrivals, one, replicas, fallbacks, stale) -> None:
+def _write(args, rows) -> None:
     import json
 
     from lbkit import __version__
     from run_record import ROOT, git_commit, load_avg
 
-    row = [ranks, k, "pipelined" if args.pipelined else "applied", args.steps, round(running),
-           arrivals, round(one, 4), round(replicas, 4), round(one - replicas, 4), fallbacks,
-           stale]  # fmt: skip
     table = {
         "title": "Decode balance of router replicas through a real store",
         "note": (
@@ -157,8 +174,8 @@ def _write(args, ranks, k, running, arrivals, one, replicas, fallbacks, stale) -
         ),
         "columns": ["ranks", "replicas", "publishes", "steps", "running per rank at the end",
                     "arrivals", "one balancer", "replicas through the store", "difference",
-                    "fallbacks", "views missing a publish"],
-        "rows": [row],
+                    "fallbacks", "views missing a publish", "views"],
+        "rows": rows,
     }  # fmt: skip
     out = {"commit": git_commit(ROOT), "lbkit": __version__, "load_avg": load_avg(),
            "tables": [table]}  # fmt: skip
