@@ -8,11 +8,11 @@ on the same stream (one of each per admission, so that the machine's load hits a
 ``PING`` round trips (``redis-py``'s ``ping()``, and bare: ``PING`` written and read on a socket
 by hand), admissions of a ``DecodeBalancer`` alone, of one with a ``RedisStore`` that views the
 store (``mirror=False``: one round trip waited for per admission, the publish pipelined) and of
-one with a mirroring store (``mirror=True``: none waited for). Each admission is followed by the finish of an earlier request (a publish), as
-in a steady state. Prints the medians and 90th percentiles, and the added median latency in
-round trips (median of the store-backed admission less the median alone, over the median
-``PING``; the target's yardstick is ``redis-py``'s round trip, a client's, and the bare one,
-without any client's work, is shown beside it).
+one with a mirroring store (``mirror=True``: none waited for). Each admission is followed by
+the finish of an earlier request (a publish), as in a steady state. Prints the medians and 90th
+percentiles, and the added median latency in round trips (median of the store-backed admission
+less the median alone, over the median ``PING``; the target's yardstick is ``redis-py``'s round
+trip, a client's, and the bare one, without any client's work, is shown beside it).
 """
 
 from __future__ import annotations
