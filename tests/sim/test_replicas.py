@@ -157,6 +157,12 @@ class _Model:
         s = self.sync
         if s.mode == "none":
             return None
+        if s.mode == "polled":  # replica j polls at (n + j / K) period: the states before
+            n = math.floor((t - s.period_s * j / s.k) / s.period_s)  # its last poll
+            past = [own for (te, own) in self.log if te == -math.inf
+                    or math.floor((te - s.period_s * j / s.k) / s.period_s) < n]  # fmt: skip
+            own = past[-1]
+            return sum((own[i] for i in range(s.k) if i != j), np.zeros_like(own[j]))
         at = t - s.delay_s if s.mode == "shared" else math.floor(t / s.period_s) * s.period_s
         # the state after the last event at or before `at` (reports: strictly before the first
         # event after the report time, which is the same state)
