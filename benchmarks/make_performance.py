@@ -76,6 +76,12 @@ TABLE_SCRIPTS = (
         "replica_balance.json",
     ),
     (
+        "Router replicas: prefill goodput through a real store",
+        "replica_goodput.py",
+        ("--replicas", "16"),
+        "replica_goodput.json",
+    ),
+    (
         "Router replicas: admission latency on a real store",
         "replica_latency.py",
         (),

@@ -3,7 +3,8 @@
 ``K`` replicas of lbkit's policies route one fleet (:mod:`lbkit.sim.replicas`; request ``i``
 goes to replica ``i mod K``, round-robin by request index), each seeing the others' load
 through one sync mode: ``shared`` (one store, read ``DELAY_S`` = 0.5 ms late), ``reports``
-(engine totals broadcast every ``PERIOD_S`` = 1 s) or ``none`` (own admissions only). ``K = 1``
+(engine totals broadcast every ``PERIOD_S`` = 1 s), ``polled`` (each replica polls the totals
+every ``PERIOD_S`` at a phase of its own) or ``none`` (own admissions only). ``K = 1``
 is the single router under every mode (``tests/sim/test_replicas.py``), so it runs once.
 
 - **Decode** (a diagnostic): the built-in workload (``default_workload(rng=0)``, 20,000
@@ -143,7 +144,9 @@ def tables(data: dict[str, Any]) -> list[dict[str, Any]]:
     o = data["options"]
     note = (
         f"Sync: shared = one store read {o['delay_s'] * 1e3:g} ms late; reports = engine totals "
-        f"broadcast every {o['period_s']:g} s; none = own admissions only. Arrivals split "
+        f"broadcast every {o['period_s']:g} s; polled = engine totals polled by each replica "
+        f"every {o['period_s']:g} s, replica j at (n + j/K) x {o['period_s']:g} s; none = own "
+        "admissions only. Arrivals split "
         "round-robin by request index. Decode: built-in workload "
         f"({o['decode_requests']:,} requests) decode-only at {o['decode_rate']:g} requests/s on "
         f"1 x {o['decode_ranks']} ranks without KV capacity, lbkit's decode defaults; steady "

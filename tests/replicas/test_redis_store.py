@@ -124,3 +124,66 @@ def test_clear_removes_every_key_of_its_namespace_and_no_other(any_server, closi
     assert stores[1].read_fenced("round-prefill") == (1, 1, "{}")
     for store in stores:
         store.clear()
+
+
+@pytest.mark.parametrize("protocol", [2, 3])
+def test_the_store_reads_both_protocols(any_server, closing, protocol):
+    """The pipe reads its socket itself: RESP2 and RESP3 replies (integers, bulk strings, nil
+    and null, arrays, sets) come out alike, an error reply is a StoreError and the connection
+    goes on."""
+    import redis
+
+    client = redis.Redis.from_url(any_server.url, protocol=protocol, socket_timeout=2.0)
+    store = closing(RedisStore(any_server.url, namespace=f"resp{protocol}", client=client))
+    tot, ver = _sync(store, "a", 1, {0: 3, 3: -(2**50)}, whole=True)
+    assert tot.tolist() == [3, 0, 0, -(2**50)] and ver == 1
+    _sync(store, "b", 1, {1: 4}, whole=True)
+    store.flush()
+    assert store.totals("decode", 4).tolist() == [3, 4, 0, -(2**50)]
+    assert {k: v.tolist() for k, v in store.contributions("decode", 4).items()} == {
+        "a": [3, 0, 0, -(2**50)], "b": [0, 4, 0, 0]}  # fmt: skip
+    assert store.read_fenced("none") is None  # HMGET of nil (RESP2) or null (RESP3) fields
+    epoch = store.acquire_lease("l", "a", ttl_s=5.0)
+    assert store.write_fenced("l", epoch, "p\r\nq") == 1
+    assert store.read_fenced("l") == (epoch, 1, "p\r\nq")
+    with pytest.raises(StoreError, match="unknown command"):
+        store._pipe.command("NO-SUCH-COMMAND")
+    assert _sync(store, "a", -1, {})[0].tolist() == [3, 4, 0, -(2**50)]
+    store.clear()
+    assert store.totals("decode", 4).tolist() == [0, 0, 0, 0]
+
+
+def test_a_call_beats_once_the_heartbeat_spacing_has_passed(redis_server, closing):
+    """The server records a replica's last call (``seen``) at most ``HEARTBEAT_S`` late: a call
+    sends a heartbeat once that long has passed since the last, a call with nothing to publish
+    or view always."""
+    import redis
+
+    from lbkit.replicas.redis_store import HEARTBEAT_S
+
+    store = closing(RedisStore(redis_server.url, namespace="beat", budget_s=2.0))
+    clock = [100.0]
+    store._clock = lambda: clock[0]
+
+    def seen():
+        store.flush()
+        with redis.Redis.from_url(redis_server.url) as client:
+            return client.hget("lbkit:{beat}:decode:seen", "a")
+
+    _sync(store, "a", 1, {0: 1}, whole=True)  # the first call beats
+    first = seen()
+    assert first is not None
+    time.sleep(0.005)  # the server's clock moves on by some milliseconds
+    clock[0] += HEARTBEAT_S / 2
+    _sync(store, "a", 2, {0: 2})
+    _sync(store, "a", -1, {})
+    assert seen() == first
+    clock[0] += HEARTBEAT_S  # HEARTBEAT_S and more since the first call
+    _sync(store, "a", -1, {})
+    second = seen()
+    assert int(second) > int(first)
+    time.sleep(0.005)
+    store.sync("decode", "a", -1, np.zeros(0, np.int64), np.zeros(0, np.int64), 0)  # heartbeat
+    assert int(seen()) > int(second)
+    assert store.totals("decode", 4).tolist() == [2, 0, 0, 0]
+    store.clear()

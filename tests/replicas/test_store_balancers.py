@@ -142,6 +142,56 @@ def test_two_replicas_see_each_other(redis_server, closing):
     store_a.clear()
 
 
+REPLICA_OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("admit"), KV),
+        st.tuples(st.just("finish"), st.integers(0, 30)),
+        st.tuples(st.just("step"), st.integers(0, 3)),
+    ),
+    max_size=30,
+)
+
+
+@settings(max_examples=20)
+@given(policy=st.sampled_from(["cost", "least_kv", "least_requests", "min_max", "sum_of_squares"]),
+       max_kv=st.sampled_from([None, 12000]), k=st.integers(2, 3), ops=REPLICA_OPS)  # fmt: skip
+def test_replicas_driven_one_call_at_a_time_admit_as_one_balancer(redis_server, policy, max_kv,
+                                                                  k, ops):  # fmt: skip
+    """K replicas, each on its own connection, called one after the other with each call's
+    publish applied before the next call (``flush``): every view is the exact totals, so
+    without migration they admit as one in-process balancer on the same requests. Without the
+    ``flush`` a publish is pipelined, and another replica's view sent later on its own
+    connection may reach the server first (the server serves connections in the order its
+    event loop reads them): that is the one interleaving a run's decisions depend on."""
+    kw = dict(policy=policy, max_kv_tokens=max_kv, max_migrations=0, make_room=False)
+    ns = f"h{next(_examples)}"
+    stores = [_store(redis_server, ns) for _ in range(k)]
+    try:
+        one = DecodeBalancer(N, **kw)
+        reps = [DecodeBalancer(N, **kw, store=s, replica_id=f"r{j}") for j, s in enumerate(stores)]
+        for i, op in enumerate(ops):
+            if op[0] == "admit":
+                j = i % k
+                assert reps[j].admit(i, op[1]) == one.admit(i, op[1])
+                stores[j].flush()
+            elif op[0] == "finish" and op[1] in one:
+                j = op[1] % k
+                assert reps[j].finish(op[1]) == one.finish(op[1])
+                stores[j].flush()
+            elif op[0] == "step":
+                one.step(op[1])
+                for j, rep in enumerate(reps):
+                    rep.step(op[1])
+                    stores[j].flush()
+        total = sum(np.concatenate([r.num_requests(), r.kv_tokens()]) for r in reps)
+        assert total.tolist() == [*one.num_requests(), *one.kv_tokens()]
+        assert stores[0].totals("decode", 2 * N).tolist() == total.tolist()
+        stores[0].clear()
+    finally:
+        for s in stores:
+            s.close()
+
+
 def test_two_mirroring_replicas_see_each_other(redis_server, closing):
     stores = [closing(_store(redis_server, "two-m", mirror=True)) for _ in range(2)]
     a = DecodeBalancer(2, store=stores[0], replica_id="a")

@@ -157,6 +157,12 @@ class _Model:
         s = self.sync
         if s.mode == "none":
             return None
+        if s.mode == "polled":  # replica j polls at (n + j / K) period: the states before
+            n = math.floor((t - s.period_s * j / s.k) / s.period_s)  # its last poll
+            past = [own for (te, own) in self.log if te == -math.inf
+                    or math.floor((te - s.period_s * j / s.k) / s.period_s) < n]  # fmt: skip
+            own = past[-1]
+            return sum((own[i] for i in range(s.k) if i != j), np.zeros_like(own[j]))
         if s.mode == "reports":
             # Report n is due at n * period_s: an event belongs to the state of the last report
             # due by t when it fell in an earlier period. Periods are compared by index

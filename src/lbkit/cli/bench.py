@@ -255,11 +255,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--sync",
-        choices=("shared", "reports", "none"),
+        choices=("shared", "reports", "polled", "none"),
         default="shared",
         help="how the replicas see each other's load: shared (one store read --sync-delay "
-        "late; the default), reports (engine totals every --sync-period) or none (own "
-        "admissions only); needs --replicas K > 1",
+        "late; the default), reports (engine totals broadcast every --sync-period), polled "
+        "(each replica polls the totals every --sync-period at a phase of its own) or none "
+        "(own admissions only); needs --replicas K > 1",
     )
     p.add_argument(
         "--sync-delay",
@@ -273,7 +274,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         type=float,
         default=1.0,
         metavar="S",
-        help="--sync reports: interval of the engine reports, seconds, (0, 86400] (default 1)",
+        help="--sync reports and polled: interval of the engine reports (of a replica's polls), "
+        "seconds, (0, 86400] (default 1)",
     )
     p.add_argument(
         "--json",

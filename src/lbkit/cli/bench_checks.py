@@ -145,8 +145,8 @@ def _replicas(args: argparse.Namespace, given: Any) -> Any:
         return None
     if args.sync != "shared":
         refuse_ignored(given, "sync_delay", "needs --sync shared")
-    if args.sync != "reports":
-        refuse_ignored(given, "sync_period", "needs --sync reports")
+    if args.sync not in ("reports", "polled"):
+        refuse_ignored(given, "sync_period", "needs --sync reports or polled")
     return ReplicaSync(k=k, mode=args.sync, delay_s=args.sync_delay, period_s=args.sync_period)
 
 

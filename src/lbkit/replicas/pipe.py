@@ -9,10 +9,13 @@ caught by the versions: the next view returns the version the server holds, olde
 replica's, and the replica publishes whole (:mod:`lbkit.core.replica`).
 
 The connection is the pipe's own (from the client's pool, never returned to it), and its
-scripts are loaded on every connect, so ``EVALSHA`` finds them after a server restart. The
-command is packed here (``RESP``: ``*N``, then ``$len`` and the bytes of each argument): for
-the handful of arguments of a publish this is a few microseconds less than ``redis-py``'s
-general packer.
+scripts are loaded on every connect, so ``EVALSHA`` finds them after a server restart.
+``redis-py`` makes the connection (address, TLS, authentication, database, handshake); the
+pipe then writes and reads its socket itself: the command is packed here (``RESP``: ``*N``,
+then ``$len`` and the bytes of each argument) and the replies are read by the small reader of
+:class:`Wire` (``RESP2`` and ``RESP3``), which costs a few microseconds a reply where
+``redis-py``'s general one costs tens (a connection object without the socket attribute
+``_sock`` of ``redis-py`` 4.5 to 8 is read by ``redis-py`` itself).
 
 Runtime complexity: O(bytes sent and received) per call.
 """
@@ -20,6 +23,7 @@ Runtime complexity: O(bytes sent and received) per call.
 from __future__ import annotations
 
 import hashlib
+import select
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
@@ -27,7 +31,7 @@ from typing import Any
 
 from lbkit.core.replica import StoreError
 
-__all__ = ["MAX_PENDING", "STALE_S", "Pipe", "pack"]
+__all__ = ["MAX_PENDING", "STALE_S", "Pipe", "Wire", "pack"]
 
 #: Seconds after which an idle connection is checked before a send (shorter than any server
 #: restart: a connection that broke since is found before it loses a publish).
@@ -41,6 +45,150 @@ def pack(args: Iterable[bytes]) -> bytes:
     """One command in ``RESP``: ``*N`` then each argument as a bulk string."""
     parts = [b"$%d\r\n%b\r\n" % (len(a), a) for a in args]
     return b"*%d\r\n" % len(parts) + b"".join(parts)
+
+
+#: Bytes a read asks the socket for at once.
+READ_SIZE = 65536
+
+
+class Wire:
+    """Writes and reads one connected ``redis-py`` connection's socket: replies in ``RESP2`` or
+    ``RESP3`` (simple, bulk and verbatim strings as bytes, integers, arrays and sets as lists,
+    maps as dicts, nil and null as ``None``; an error reply raises
+    ``redis.exceptions.ResponseError``). Socket errors raise ``redis-py``'s
+    ``TimeoutError`` (the socket's timeout: the store's budget) and ``ConnectionError`` (a
+    closed or broken connection), as its own reader does.
+    """
+
+    def __init__(self, conn: Any) -> None:
+        import redis
+
+        self._conn = conn
+        self._buf = bytearray()
+        self._pos = 0
+        self._timeout = redis.exceptions.TimeoutError
+        self._lost = redis.exceptions.ConnectionError
+        self._reply_error = redis.exceptions.ResponseError
+
+    def reset(self) -> None:
+        """Forget what was read (a new connection)."""
+        self._buf = bytearray()
+        self._pos = 0
+
+    def _sock(self) -> Any:
+        conn = self._conn
+        if conn._sock is None:
+            conn.connect()  # redis-py's errors; the connect callbacks reset this wire
+        return conn._sock
+
+    def send(self, data: bytes) -> None:
+        """Write ``data`` (connecting first if needed)."""
+        sock = self._sock()
+        try:
+            sock.sendall(data)
+        except TimeoutError as exc:
+            raise self._timeout("Timeout writing to socket") from exc
+        except OSError as exc:
+            raise self._lost(f"Error while writing to socket: {exc}") from exc
+
+    def can_read(self) -> bool:
+        """Whether a reply (or the connection's end) can be read without waiting."""
+        if self._pos < len(self._buf):
+            return True
+        sock = self._conn._sock
+        if sock is None:
+            return False
+        pending = getattr(sock, "pending", None)  # TLS: bytes already decrypted
+        if pending is not None and pending():
+            return True
+        try:
+            return bool(select.select([sock], [], [], 0)[0])
+        except (OSError, ValueError) as exc:
+            raise self._lost(f"Error while polling the socket: {exc}") from exc
+
+    def _fill(self) -> None:
+        sock = self._conn._sock
+        if sock is None:
+            raise self._lost("Connection closed")
+        try:
+            chunk = sock.recv(READ_SIZE)
+        except TimeoutError as exc:
+            raise self._timeout("Timeout reading from socket") from exc
+        except OSError as exc:
+            raise self._lost(f"Error while reading from socket: {exc}") from exc
+        if not chunk:
+            raise self._lost("Connection closed by server.")
+        if self._pos and self._pos == len(self._buf):
+            self._buf = bytearray(chunk)
+            self._pos = 0
+        else:
+            self._buf += chunk
+
+    def _line(self) -> bytes:
+        while True:
+            end = self._buf.find(b"\r\n", self._pos)
+            if end >= 0:
+                line = bytes(self._buf[self._pos : end])
+                self._pos = end + 2
+                return line
+            self._fill()
+
+    def read(self) -> Any:
+        """Read one reply (waiting for it within the socket's timeout)."""
+        reply = self._reply()
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+    def _reply(self) -> Any:
+        line = self._line()
+        kind, rest = line[:1], line[1:]
+        if kind == b"$":
+            n = int(rest)
+            if n < 0:
+                return None
+            while len(self._buf) - self._pos < n + 2:
+                self._fill()
+            data = bytes(self._buf[self._pos : self._pos + n])
+            self._pos += n + 2
+            return data
+        if kind == b":":
+            return int(rest)
+        if kind == b"*":
+            n = int(rest)
+            return None if n < 0 else [self._reply() for _ in range(n)]
+        if kind == b"+":
+            return rest
+        if kind == b"-":
+            return self._reply_error(rest.decode(errors="replace"))
+        # RESP3 (redis-py's default protocol from version 8)
+        if kind == b"_":
+            return None
+        if kind == b"%":
+            n = int(rest)
+            return {self._reply(): self._reply() for _ in range(n)}
+        if kind == b"~":
+            return [self._reply() for _ in range(int(rest))]
+        if kind == b"#":
+            return rest == b"t"
+        if kind == b",":
+            return float(rest)
+        if kind == b"(":
+            return int(rest)
+        if kind in (b"=", b"!"):  # verbatim string, blob error: a bulk
+            n = int(rest)
+            while len(self._buf) - self._pos < n + 2:
+                self._fill()
+            data = bytes(self._buf[self._pos : self._pos + n])
+            self._pos += n + 2
+            if kind == b"!":
+                return self._reply_error(data.decode(errors="replace"))
+            return data[4:]  # after "txt:"
+        if kind == b"|":  # attributes, then the reply they describe
+            for _ in range(2 * int(rest)):
+                self._reply()
+            return self._reply()
+        raise self._lost(f"Protocol error: unexpected reply {line[:32]!r}")
 
 
 class Pipe:
@@ -64,6 +212,7 @@ class Pipe:
         self._texts = dict(scripts)
         self._sha = {k: hashlib.sha1(v.encode()).hexdigest().encode() for k, v in scripts.items()}
         self._conn: Any = None
+        self._wire: Wire | None = None
         self._last_send = -float("inf")
         self._pending: deque[Callable[[Any], None] | None] = deque()
         self._errors = errors
@@ -79,8 +228,10 @@ class Pipe:
     # ------------------------------------------------------------------ connection
     def _connection(self) -> Any:
         if self._conn is None:
-            self._conn = self._pool.make_connection()
-            self._conn.register_connect_callback(self._on_connect)
+            conn = self._pool.make_connection()
+            conn.register_connect_callback(self._on_connect)
+            self._conn = conn
+            self._wire = Wire(conn) if hasattr(conn, "_sock") else None
         return self._conn
 
     def _on_connect(self, conn: Any) -> None:
@@ -88,11 +239,28 @@ class Pipe:
             conn.send_command("SCRIPT", "LOAD", text)
         for _ in self._texts:
             conn.read_response()
+        if self._wire is not None:
+            self._wire.reset()
+
+    # The connection's I/O: the pipe's own wire, or redis-py's (RESP3).
+    def _write(self, data: bytes) -> None:
+        if self._wire is not None:
+            self._wire.send(data)
+        else:
+            self._conn.send_packed_command([data], check_health=False)
+
+    def _read(self) -> Any:
+        return self._conn.read_response() if self._wire is None else self._wire.read()
+
+    def _can_read(self) -> bool:
+        return self._conn.can_read(0) if self._wire is None else self._wire.can_read()
 
     def _drop(self, exc: BaseException | None = None) -> None:
         """Forget the connection and the replies in flight (told ``None``)."""
         if self._conn is not None:
             self._conn.disconnect()
+        if self._wire is not None:
+            self._wire.reset()
         lost, self._pending = self._pending, deque()
         for on_reply in lost:
             if on_reply is not None:
@@ -105,10 +273,9 @@ class Pipe:
     def _read_one(self) -> Exception | None:
         """Read the oldest reply in flight and hand it over; a reply that is an error is
         returned (the others are read on), a lost connection raises."""
-        conn = self._conn
         on_reply = self._pending.popleft()
         try:
-            reply = conn.read_response()
+            reply = self._read()
         except self._reply_error as exc:
             if on_reply is not None:
                 on_reply(None)
@@ -142,7 +309,7 @@ class Pipe:
         :meth:`drain`)."""
         first: Exception | None = None
         try:
-            while self._pending and self._conn.can_read(0):
+            while self._pending and self._can_read():
                 exc = self._read_one()
                 first = first or exc
         except self._errors as exc:
@@ -155,24 +322,24 @@ class Pipe:
         """Write one command. A connection idle for ``STALE_S`` is first checked (a server that
         restarted since closed it: the replies in flight are read, and an idle connection
         that has something to read is made again); a broken one is made again once."""
-        conn = self._connection()
+        self._connection()
         now = time.monotonic()
         if now - self._last_send > STALE_S:
             try:
                 self.poll()
             except StoreError:
                 pass
-            conn = self._connection()
+            self._connection()
             if not self._pending:
                 try:
-                    stale = conn.can_read(0)
+                    stale = self._can_read()
                 except self._errors:
                     stale = True
                 if stale:
                     self._drop()
         self._last_send = now
         try:
-            conn.send_packed_command([data], check_health=False)
+            self._write(data)
             return
         except self._timeout as exc:
             self._drop(exc)
@@ -180,7 +347,7 @@ class Pipe:
         except self._errors as exc:
             self._drop(exc)
         try:
-            conn.send_packed_command([data], check_health=False)
+            self._write(data)
         except self._errors as exc:
             self._drop(exc)
             raise StoreError(f"{type(exc).__name__}: {exc}") from exc
@@ -234,7 +401,7 @@ class Pipe:
                 exc = self._read_one()
                 first = first or exc
             self._pending.popleft()
-            reply = self._conn.read_response()
+            reply = self._read()
         except self._timeout as exc:
             self._drop(exc)
             raise StoreError(f"{type(exc).__name__}: {exc}") from exc

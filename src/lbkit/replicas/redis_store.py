@@ -8,11 +8,12 @@ channel announcing each change.
 
 One Lua script (``SYNC``) publishes and views atomically: when the version allows it, each
 published field's total moves by (new - old contribution) and the contribution becomes the new
-value; then the totals are returned as one string of int64 fields, with the version of the
-replica's last applied publish. A partial publish applies only on top of the replica's publish
-of the version before it (the store holds exactly what the replica last sent); a whole one
-over any older version. A publish the store refused shows in the next view's version, older
-than the replica's: the replica then publishes whole (:mod:`lbkit.core.replica`, *rebuild*).
+value; then the version of the replica's last applied publish and the totals (int64 fields)
+are returned as one string (a publish alone returns the version). A partial publish applies
+only on top of the replica's publish of the version before it (the store holds exactly what the
+replica last sent); a whole one over any older version. A publish the store refused shows in
+the next view's version, older than the replica's: the replica then publishes whole
+(:mod:`lbkit.core.replica`, *rebuild*).
 
 Round trips
 -----------
@@ -33,7 +34,10 @@ out the contribution of every replica silent for ``max_silence_s``: the totals m
 its contribution, and the replica is marked reaped (version ``-2``). A reaped replica that was
 only paused is refused every partial publish: it publishes its whole ledger again at once, so
 nothing is lost when it comes back, and nothing is counted twice if it does not. A replica idle
-for longer than the silence has nothing at stake either: its next call rebuilds it.
+for longer than the silence has nothing at stake either: its next call rebuilds it. The server
+records a replica's calls through heartbeats: a call carries one when ``HEARTBEAT_S`` (0.1 s;
+``reap_after_s / 10`` when shorter) has passed since the last, so a replica that calls is
+never more than that silent to the reaper, and most calls do without the two commands.
 :class:`lbkit.core.replica.ReplicaLink` runs the reaper of its table itself when its replica
 holds the ``reaper`` lease (``reap_s=``).
 
@@ -63,6 +67,7 @@ one on a connection found broken); a call that fails or exceeds it raises
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import numpy as np
@@ -94,6 +99,15 @@ CLEAR_BATCH = 1000
 #: Publishes in flight from which a call reads the replies that have come (fewer reads, each
 #: of many replies at once; a refused publish shows within this many calls).
 POLL_PENDING = 8
+#: Seconds between a replica's heartbeats while it calls (the store's ``reap_after_s / 10``
+#: when that is shorter): a call sends one when this much time has passed since the last, so
+#: the server records a replica's last call at most this late, and most calls do without the
+#: two commands.
+HEARTBEAT_S = 0.1
+
+
+#: The flags argument of ``SYNC`` by value (1: whole, 2: heartbeat).
+_FLAGS = (b"0", b"1", b"2", b"3")
 
 
 def _glob_escape(text: str) -> bytes:
@@ -112,12 +126,13 @@ def _name_iv(value: Any, name: str) -> str:
 class _Sent:
     """What this store sent for one replica in one table."""
 
-    __slots__ = ("last", "refused", "whole")
+    __slots__ = ("beat", "last", "refused", "whole")
 
     def __init__(self) -> None:
         self.last = -1  # version of the last publish sent
         self.whole = -1  # version of the last whole publish sent
         self.refused: int | None = None  # stored version of a refused publish, until told
+        self.beat = -float("inf")  # time.monotonic() of the last heartbeat sent
 
 
 class RedisStore:
@@ -198,6 +213,10 @@ class RedisStore:
         self._client = client
         self._errors = (redis.exceptions.RedisError, OSError)
         self._pipe = Pipe(client.connection_pool, _SCRIPTS, self._errors)
+        self._clock = time.monotonic  # the heartbeats' spacing only
+        self._beat_s = (
+            HEARTBEAT_S if self.reap_after_s is None else min(HEARTBEAT_S, self.reap_after_s / 10.0)
+        )
         self._keys: dict[tuple[str, str], list[bytes]] = {}
         self._sent: dict[tuple[str, str], _Sent] = {}
         self._own: dict[tuple[str, str], np.ndarray] = {}
@@ -244,22 +263,28 @@ class RedisStore:
         if size > MAX_FIELDS:
             raise ValueError(f"size: a table holds at most {MAX_FIELDS} fields, got {size}")
         keys = self._table_keys(key, replica_id)
-        args = [replica_id.encode(), b"%d" % version, b"%d" % size, b"1" if whole else b"0"]
-        if version >= 0:
-            for f, v in zip(fields.tolist(), values.tolist(), strict=True):
-                args += (b"%d" % f, b"%d" % v)
         sent = self._sent.get((key, replica_id))
         if sent is None:
             sent = self._sent[(key, replica_id)] = _Sent()
+        now = self._clock()
+        flags = 1 if whole else 0
+        if (version < 0 and not size) or now - sent.beat >= self._beat_s:
+            flags += 2  # a heartbeat (a call with nothing to publish or view is one)
+            sent.beat = now
+        args = [replica_id.encode(), b"%d" % version, b"%d" % size, _FLAGS[flags]]
+        if version >= 0:
+            for f, v in zip(fields.tolist(), values.tolist(), strict=True):
+                args += (b"%d" % f, b"%d" % v)
         mirror = self._mirror
         if mirror is None and size:  # a view: one round trip (the publishes in flight first)
-            stored, tot = self._pipe.call("sync", keys, args)
+            reply = self._pipe.call("sync", keys, args)
+            cut = reply.index(b"|")
             if version >= 0:
                 sent.last = version
                 if whole:
                     sent.whole = version
             sent.refused = None
-            return parse_table(tot, size), int(stored)
+            return parse_table(reply[cut + 1 :], size), int(reply[:cut])
         if self._pipe.pending >= POLL_PENDING:
             self._pipe.poll()  # the replies that have come: a refused publish shows
         if version >= 0:
@@ -284,7 +309,7 @@ class RedisStore:
 
     def _on_publish(self, sent: _Sent, version: int) -> Any:
         def on_reply(reply: Any) -> None:
-            held = -1 if reply is None else int(reply[0])
+            held = -1 if reply is None else int(reply)
             if held != version and version >= sent.whole:
                 sent.refused = held
 
@@ -303,8 +328,10 @@ class RedisStore:
 
     # ------------------------------------------------------------------ reaping
     def reap(self, key: str, *, max_silence_s: float) -> tuple[str, ...]:
-        """Take out of table ``key`` the contribution of every replica whose last call is
-        ``max_silence_s`` seconds old or older (server time); return their ids.
+        """Take out of table ``key`` the contribution of every replica whose last heartbeat is
+        ``max_silence_s`` seconds old or older (server time); return their ids. A replica that
+        calls beats every ``HEARTBEAT_S`` (the module documentation): a silence shorter than
+        that may reap a live replica, which then publishes whole again (nothing lost).
 
         Runtime complexity: one call to list the replicas, then one script per silent one,
         O(its fields).

@@ -13,7 +13,9 @@ Keys of a table (``KIND``: ``decode`` or ``prefill``), in the order the scripts 
 2. ``c:REPLICA``: this replica's contribution (same fields);
 3. ``ver``: hash, replica to the version of its last applied publish (``-2``: reaped);
 4. ``replicas``: set of the replicas holding a contribution;
-5. ``seen``: hash, replica to the server's time of its last call, ms (the heartbeat);
+5. ``seen``: hash, replica to the server's time of its last heartbeat, ms (a call sends one
+   when ``HEARTBEAT_S`` or more have passed since its last: the heartbeat is at most that much
+   older than the replica's last call);
 6. ``seq``: counter of the changes of the totals (one per applied publish or reap);
 7. ``ch``: the channel on which each change is announced (``SEQ|REPLICA|f,d,f,d...``: the
    totals' fields ``f`` moved by ``d``), for replicas that mirror the totals.
@@ -61,19 +63,20 @@ end
 """
 
 #: Publish (when the version allows) and view, atomically. ARGV: replica, version, size,
-#: whole (``1``/``0``), then field, value pairs. A whole publish applies over any older
-#: version (a reaped or lost replica rejoins); a partial one only on top of the replica's
-#: publish of version - 1 (the store holds exactly what the replica last sent). Returns
-#: ``{stored version, totals as bytes (size > 0) or false}``.
+#: flags (the sum of ``1``: a whole publish, and ``2``: a heartbeat), then field, value pairs.
+#: A whole publish applies over any older version (a reaped or lost replica rejoins); a partial
+#: one only on top of the replica's publish of version - 1 (the store holds exactly what the
+#: replica last sent). A heartbeat records the server's time as the replica's last call.
+#: Returns the stored version (an integer) when size is 0, else one string: the stored version
+#: in decimal, ``|``, then the totals (one bulk reply: the cheapest for a client to read).
 SYNC = (
     _APPLY
     + """
-local t0 = redis.call('TIME')
-local ms = tonumber(t0[1]) * 1000 + math.floor(tonumber(t0[2]) / 1000)
 local rid = ARGV[1]
+local flags = tonumber(ARGV[4])
+local whole = flags % 2 == 1
 local cur = redis.call('HGET', KEYS[3], rid) or '-1'
 local ver = tonumber(ARGV[2])
-local whole = ARGV[4] == '1'
 local c = tonumber(cur)
 if ver >= 0 and ((whole and ver > c) or (not whole and c >= 0 and c == ver - 1)) then
   local fv = {}
@@ -83,9 +86,12 @@ if ver >= 0 and ((whole and ver > c) or (not whole and c >= 0 and c == ver - 1))
   if whole then redis.call('SADD', KEYS[4], rid) end
   cur = ARGV[2]
 end
-redis.call('HSET', KEYS[5], rid, ms)
-if tonumber(ARGV[3]) == 0 then return {cur, false} end
-return {cur, redis.call('GET', KEYS[1]) or ''}
+if flags >= 2 then
+  local t0 = redis.call('TIME')
+  redis.call('HSET', KEYS[5], rid, tonumber(t0[1]) * 1000 + math.floor(tonumber(t0[2]) / 1000))
+end
+if tonumber(ARGV[3]) == 0 then return tonumber(cur) end
+return cur .. '|' .. (redis.call('GET', KEYS[1]) or '')
 """
 )
 

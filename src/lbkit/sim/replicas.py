@@ -19,6 +19,11 @@ and the sync model chosen by :class:`ReplicaSync`:
     to every replica at once: a broadcast); a replica's foreign load is the last reported
     total minus its own contribution at that time, i.e. the others' load as of the last
     report.
+``polled``
+    Each replica polls the engines' totals every ``period_s`` at a phase of its own: replica
+    ``j`` at ``(n + j / K) period_s``, ``n = 0, 1, ...``; its foreign load is the totals of its
+    last poll minus its own contribution then. The replicas' views are as old on average as
+    under ``reports``, but not all of the same instant.
 ``none``
     Each replica sees only its own admissions (no foreign load).
 
@@ -95,7 +100,7 @@ __all__ = [
 ]
 
 #: Sync modes of :class:`ReplicaSync` (see the module documentation).
-SYNC_MODES = ("shared", "reports", "none")
+SYNC_MODES = ("shared", "reports", "polled", "none")
 #: Default round trip to the shared store, seconds (a loopback or same-rack Redis).
 DEFAULT_DELAY_S = 0.0005
 #: Default interval between engine reports, seconds.
@@ -114,12 +119,13 @@ class ReplicaSync:
     ----------
     k : int, default 1
         Router replicas (1 to ``MAX_REPLICAS``).
-    mode : {"shared", "reports", "none"}, default "shared"
+    mode : {"shared", "reports", "polled", "none"}, default "shared"
         Sync mode (module documentation).
     delay_s : float, default ``DEFAULT_DELAY_S`` (0.5 ms)
         ``shared``: age of the others' load a replica sees, seconds (>= 0, finite).
     period_s : float, default ``DEFAULT_PERIOD_S`` (1 s)
-        ``reports``: interval between engine reports, seconds (> 0, finite).
+        ``reports`` and ``polled``: interval between engine reports (between a replica's
+        polls), seconds (> 0, finite).
 
     Examples
     --------
@@ -132,7 +138,7 @@ class ReplicaSync:
     >>> ReplicaSync(mode="gossip")
     Traceback (most recent call last):
     ...
-    ValueError: mode: must be one of 'shared', 'reports', 'none'; got 'gossip'
+    ValueError: mode: must be one of 'shared', 'reports', 'polled', 'none'; got 'gossip'
     """
 
     k: int = 1
@@ -185,16 +191,37 @@ class _Views:
         self._report = 0  # index of the last engine report taken in (reports at n * period_s)
         self._others = [np.arange(k) != j for j in range(k)]
         self._exact_ints = np.issubdtype(dtype, np.integer)
+        # polled: each replica's foreign load at its last poll, and the poll's index
+        self._polled = np.zeros((k, columns, ranks), dtype=dtype)
+        self._poll = [-1] * k
+        self._next_poll = -math.inf  # a little before the earliest poll not yet taken in
+
+    def poll_index(self, j: int, now_s: float) -> int:
+        """``polled``: the index ``n`` of replica ``j``'s last poll at or before ``now_s`` (its
+        polls at ``(n + j / K) period_s``; -1 before the first)."""
+        s = self.sync
+        return math.floor((now_s - s.period_s * j / s.k) / s.period_s)
 
     def advance(self, now_s: float) -> None:
-        """Take in the engine reports due by ``now_s`` (the state before this event's changes
-        is the state of the last report time)."""
+        """Take in the engine reports (the polls) due by ``now_s`` (the state before this
+        event's changes is the state of the last report or poll time)."""
         s = self.sync
-        if s.mode == "reports" and math.isfinite(now_s):
+        if not math.isfinite(now_s):
+            return
+        if s.mode == "reports":
             idx = math.floor(now_s / s.period_s)
             if idx > self._report:
                 self._lag = self.cur.copy()
                 self._report = idx
+        elif s.mode == "polled" and now_s >= self._next_poll:
+            p, k = s.period_s, s.k
+            for j in range(k):
+                idx = self.poll_index(j, now_s)
+                if idx > self._poll[j]:
+                    self._poll[j] = idx
+                    self._polled[j] = self._others_of(self.cur, j)
+            # the next poll's time, early by a margin far above the rounding of poll_index
+            self._next_poll = min((self._poll[j] + 1 + j / k) * p for j in range(k)) - 1e-6 * p
 
     def commit(self, now_s: float) -> None:
         """Record the state after an event at ``now_s`` (``shared`` with a delay)."""
@@ -207,6 +234,8 @@ class _Views:
         s = self.sync
         if s.mode == "none":
             return None
+        if s.mode == "polled":
+            return self._polled[j].copy()
         if s.mode == "shared":
             if s.delay_s == 0.0:
                 src = self.cur
@@ -218,6 +247,10 @@ class _Views:
                 src = self._lag
         else:
             src = self._lag
+        return self._others_of(src, j)
+
+    def _others_of(self, src: np.ndarray, j: int) -> np.ndarray:
+        """The sum over the replicas but ``j`` of ``src`` (per replica)."""
         if self._exact_ints:
             return src.sum(axis=0) - src[j]
         return src[self._others[j]].sum(axis=0)
