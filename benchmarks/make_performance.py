@@ -51,6 +51,12 @@ TABLE_SCRIPTS = (
         (),
         "prefill_misses.json",
     ),
+    (
+        "Lockstep rule: goodput against its growth weights",
+        "lockstep_weights.py",
+        (),
+        "lockstep_weights.json",
+    ),
     ("EPLB balance and plan time", "eplb_targets.py", (), "eplb_targets.json"),
     ("EPLB re-planning under drift", "eplb_drift.py", (), "eplb_drift.json"),
     ("EPLB cold start", "cold_start.py", ("--inline",), "cold_start.json"),
