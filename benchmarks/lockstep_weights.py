@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import time
 from pathlib import Path
@@ -34,7 +33,7 @@ from lbkit.sim.goodput_bench import (
 )
 from lbkit.sim.policies import LbkitPrefill
 from lbkit.sim.workload import default_workload
-from run_record import PUBLIC_TRACES, ROOT, TRACES, git_commit, load_avg, log
+from run_record import PUBLIC_TRACES, ROOT, TRACES, git_commit, load_avg, log, write_results
 
 COST = PRESETS["h800_dsv3"]
 OPTIONS = DEFAULT_GOODPUT_OPTIONS
@@ -122,13 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         "columns": ["trace", "cache", "weights (busy/idle)", "req/s", "vs default"],
         "rows": rows,
     })  # fmt: skip
-    out["load_avg_end"] = load_avg()
-    out["wall_s"] = round(time.perf_counter() - start, 1)
-    text = json.dumps(out, indent=1)
-    if args.json:
-        args.json.write_text(text + "\n")
-    else:
-        print(text)
+    write_results(out, args.json, start)
     return 0
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import time
 from pathlib import Path
@@ -43,7 +42,7 @@ from lbkit.sim.goodput_bench import DEFAULT_GOODPUT_OPTIONS, local_caches, prepa
 from lbkit.sim.ideal import alone_s, simulate_ideal_prefill
 from lbkit.sim.policies import PREFILL_POLICIES
 from lbkit.sim.workload import default_workload
-from run_record import PUBLIC_TRACES, ROOT, TRACES, git_commit, load_avg, log
+from run_record import PUBLIC_TRACES, ROOT, TRACES, git_commit, load_avg, log, write_results
 
 COST = PRESETS["h800_dsv3"]
 OPTIONS = DEFAULT_GOODPUT_OPTIONS
@@ -204,13 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     log("order table done", start)
     out["tables"].append(local_table(path))
     log("local table done", start)
-    out["load_avg_end"] = load_avg()
-    out["wall_s"] = round(time.perf_counter() - start, 1)
-    text = json.dumps(out, indent=1)
-    if args.json:
-        args.json.write_text(text + "\n")
-    else:
-        print(text)
+    write_results(out, args.json, start)
     return 0
 
 

@@ -13,7 +13,16 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-__all__ = ["PUBLIC_TRACES", "ROOT", "TRACES", "csv_names", "git_commit", "load_avg", "log"]
+__all__ = [
+    "PUBLIC_TRACES",
+    "ROOT",
+    "TRACES",
+    "csv_names",
+    "git_commit",
+    "load_avg",
+    "log",
+    "write_results",
+]
 
 #: The checkout these scripts belong to.
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,3 +98,17 @@ def save_partial(out: dict, path: Path | None, start: float, tables, *, done: bo
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(out, indent=1) + "\n")
+
+
+def write_results(out: dict, path: Path | None, start: float) -> None:
+    """Finish a benchmark's record (the load average at the end, the wall time since ``start``)
+    and write it as JSON to ``path``, or print it without one."""
+    import json
+
+    out["load_avg_end"] = load_avg()
+    out["wall_s"] = round(time.perf_counter() - start, 1)
+    text = json.dumps(out, indent=1)
+    if path is not None:
+        path.write_text(text + "\n")
+    else:
+        print(text)
