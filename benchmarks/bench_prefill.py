@@ -119,10 +119,10 @@ def bench_lockstep_decision(benchmark, ranks):
     # request's cached tokens on every rank (what a router's prefix index gives) and the time
     # left in each engine's running step (the engines' step reports).
     work, count, hits, coef = _lockstep_inputs(ranks)
-    left = np.random.default_rng(3).random(ranks // 8)
+    ends = 1.0 + np.random.default_rng(3).random(ranks // 8)  # each engine's step end
 
     def decide():
-        return lockstep_scored(work, count, 0, ranks, 8, 8704, hits, 0, coef, left)
+        return lockstep_scored(work, count, 0, ranks, 8, 8704, hits, 0, coef, ends, 1.2)
 
     benchmark.group = f"prefill_route|{ranks}"
     k, score, hit = benchmark.pedantic(decide, rounds=ROUNDS, iterations=ITERATIONS,

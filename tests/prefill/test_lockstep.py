@@ -81,9 +81,10 @@ def test_balancer_kernel_equals_the_pure_rule(case, total, data):
     coef[:] = (COST.b, COST.k, COST.q, COST.gamma, COST.moe_s_per_token, budget, *growth)
     rem = total - hit
     request = (COST.quota(rem, hit) + COST.moe_s_per_token * rem).reshape(engines, ranks)
-    per_block = np.zeros(0) if left is None else left  # empty: no step reports
+    # step ends per engine at time 5 (empty: no step reports)
+    ends = np.zeros(0) if left is None else 5.0 + left
     k, score, cached = lockstep_scored(work.ravel(), count, 0, n, ranks, total, hit, 0, coef,
-                                       per_block)  # fmt: skip
+                                       ends, 5.0)  # fmt: skip
     busy = count.reshape(engines, ranks).any(axis=1)
     want, scores = oracle(work, request, busy, budget, *growth, left)
     assert score == pytest.approx(scores[want], rel=1e-12, abs=1e-12)

@@ -292,10 +292,10 @@ class PrefillBalancer(PoolControl, Persistent):
         self, bucket: int, total: int, cached: int, hits: Any, now: float
     ) -> tuple[int, str, int]:
         pool = self._pool
-        left = pool.step_left(now)
+        ends = pool.step_ends(now)
         return self._chooser.choose(
             self._ledger, pool.layout, pool.order, bucket, total, cached, hits,
-            *(() if left is None else (left,)),
+            *(() if ends is None else (ends, now)),
         )  # fmt: skip
 
     def route(

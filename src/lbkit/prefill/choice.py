@@ -44,7 +44,7 @@ from lbkit.prefill.options import RankChoice
 __all__ = ["Layout", "RankChooser", "layout"]
 
 _NO_HITS = np.zeros(0, dtype=np.int64)
-_NO_LEFT = np.zeros(0)  # no step reports: no engine's running step is waited out
+_NO_ENDS = np.zeros(0)  # no step reports: no engine's running step is waited out
 
 
 class Layout(NamedTuple):
@@ -139,19 +139,20 @@ class RankChooser:
         total: int,
         cached: int,
         hits: np.ndarray | None,
-        left: np.ndarray = _NO_LEFT,
+        ends: np.ndarray = _NO_ENDS,
+        now: float = 0.0,
     ) -> tuple[int, str, int]:
         """Slot for a new request of ``bucket`` (-1 if no engine), the reason and the request's
         cached tokens there (``hits``: per flat rank, or ``None`` for ``cached`` everywhere;
-        ``order``: ``lay.order`` as an array; ``left``: seconds left in the running step of the
-        engine of each block of ``ranks_per_engine`` slots, empty without step reports, used by
-        the lockstep rule)."""
+        ``order``: ``lay.order`` as an array; ``ends``: when the running step of the engine of
+        each block of ``ranks_per_engine`` slots ends, empty without step reports, and ``now``
+        the time of the choice: the lockstep rule waits out ``max(0, ends - now)``)."""
         lo = lay.lo[bucket]
         hi = lay.hi[bucket]
         if lo == hi:
             return -1, "no_engine", cached
         if self._rule == "lockstep":
-            return self._lockstep(led, lay, order, bucket, lo, hi, total, cached, hits, left)
+            return self._lockstep(led, lay, order, bucket, lo, hi, total, cached, hits, ends, now)
         if self._rule == "engine_mean":
             slot, reason = self._engine_mean(led, lay, bucket, lo, hi)
         else:
@@ -159,18 +160,18 @@ class RankChooser:
             slot, reason = self._least(led, lay, bucket, lo, hi, quota)
         return slot, reason, cached if hits is None else int(hits[led.rank_at[slot]])
 
-    def _lockstep(self, led, lay, order, bucket, lo, hi, total, cached, hits, left):
+    def _lockstep(self, led, lay, order, bucket, lo, hi, total, cached, hits, ends, now):
         """The lockstep rule (kernel ``lockstep_scored``, one pass per range)."""
         work, count, r, coef = led.work, led.count, self._ranks, self._coef
         h = _NO_HITS if hits is None else hits[order]
-        k, score, hit = lockstep_scored(work, count, lo, hi, r, total, h, cached, coef, left)
+        k, score, hit = lockstep_scored(work, count, lo, hi, r, total, h, cached, coef, ends, now)
         slot = lo + k
         reason = "own_bucket" if lay.server[bucket] == bucket else "shared_bucket"
         if self._spill is not None:
             best = score
             for nlo, nhi in lay.neighbours(bucket):
                 nk, nscore, nhit = lockstep_scored(work, count, nlo, nhi, r, total, h, cached,
-                                                   coef, left)  # fmt: skip
+                                                   coef, ends, now)  # fmt: skip
                 if score > self._spill * nscore and nscore < best:
                     slot, best, hit, reason = nlo + nk, nscore, nhit, "spill"
         return slot, reason, int(hit)

@@ -79,17 +79,17 @@ def _score(x, top, busy, budget, growth, idle_growth):
 
 
 @jit
-def lockstep_scored(work, count, lo, hi, ranks, total, hit, hit0, coef, left):
+def lockstep_scored(work, count, lo, hi, ranks, total, hit, hit0, coef, ends, now):
     """Lockstep choice over the slots ``lo:hi`` (whole engines of ``ranks`` contiguous slots).
 
     ``work[s]`` is a slot's queued work in step seconds, ``count[s]`` its requests (an engine
     is busy when any of its slots holds one). The request has ``total`` prompt tokens and, on
     slot ``s``, ``hit[s]`` of them cached (``hit0`` everywhere when ``hit`` is empty); its
     cost on a slot is the local quota of its uncached tokens plus their routed-expert time.
-    ``left[s // ranks]`` is the time left in the running step of the engine at slot ``s``
-    (``left`` empty: none anywhere). Returns ``(k, score, cached)``: the offset from ``lo`` of
-    the lowest score (ties: the lowest slot), that score and the request's cached tokens there.
-    O(hi - lo).
+    ``ends[s // ranks]`` is when the running step of the engine at slot ``s`` ends, so that
+    ``max(0, ends[s // ranks] - now)`` of it is left (``ends`` empty: no step reports).
+    Returns ``(k, score, cached)``: the offset from ``lo`` of the lowest score (ties: the
+    lowest slot), that score and the request's cached tokens there. O(hi - lo).
     """
     b = coef[C_B]
     kk = coef[C_K]
@@ -100,7 +100,7 @@ def lockstep_scored(work, count, lo, hi, ranks, total, hit, hit0, coef, left):
     growth = coef[C_GROWTH]
     idle_growth = coef[C_IDLE_GROWTH]
     uniform = hit.shape[0] == 0
-    phased = left.shape[0] > 0
+    phased = ends.shape[0] > 0
     best_k = -1
     best = np.inf
     best_hit = hit0
@@ -112,7 +112,9 @@ def lockstep_scored(work, count, lo, hi, ranks, total, hit, hit0, coef, left):
                 top = work[s]
             if count[s] > 0:
                 busy = True
-        wait = left[e0 // ranks] if phased else 0.0
+        wait = 0.0
+        if phased and ends[e0 // ranks] > now:
+            wait = ends[e0 // ranks] - now
         for s in range(e0, e0 + ranks):
             p = hit0 if uniform else hit[s]
             rem = total - p
@@ -252,6 +254,6 @@ def warmup() -> None:
     count = np.array([1, 0, 0, 0], dtype=np.int64)
     coef = np.array([1e-4, 0.0, 0.0, 0.0, 1e-4, 1.0, 0.6, 0.1])
     none = np.zeros(0)
-    lockstep_scored(work, count, 0, 4, 2, 100, np.zeros(0, dtype=np.int64), 0, coef, none)
-    lockstep_scored(work, count, 0, 4, 2, 100, np.zeros(4, dtype=np.int64), 0, coef, none)
+    lockstep_scored(work, count, 0, 4, 2, 100, np.zeros(0, dtype=np.int64), 0, coef, none, 0.0)
+    lockstep_scored(work, count, 0, 4, 2, 100, np.zeros(4, dtype=np.int64), 0, coef, none, 0.0)
     _lockstep_flat(work, np.array([True, False]), np.zeros(2), np.full(4, 0.5), 2, 1.0, 0.6, 0.1)

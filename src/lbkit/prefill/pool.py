@@ -69,21 +69,22 @@ class EnginePool:
         self.layout = layout(self.home, self.state, self.num_buckets, self.ranks)
         self.order = np.asarray(self.layout.order, dtype=np.int64)
         self.block_engine = self.order[:: self.ranks] // self.ranks  # engine of each slot block
+        self.engine_block = np.argsort(self.block_engine)  # and the block of each engine
+        self.block_end = self.step_end[self.block_engine]  # step ends in slot-block order
         self.ledger.relayout(self.layout.order)
 
     def start_step(self, engine: int, start: float, end: float) -> None:
         """Take an engine's report of a step from ``start`` to ``end`` (checked by the caller)."""
         self.step_start[engine] = start
         self.step_end[engine] = end
-        self.last_end = float(self.step_end.max())
+        self.block_end[self.engine_block[engine]] = end
+        self.last_end = float(self.step_end.max())  # a report may shorten the engine's step
 
-    def step_left(self, now: float) -> np.ndarray | None:
-        """Seconds left at ``now`` in each slot block's engine's running step (0 between steps
-        or never reported), in slot-block order: the lockstep rule's ``left``; ``None`` when no
-        step runs at ``now``."""
-        if self.last_end <= now:
-            return None
-        return np.maximum(self.step_end[self.block_engine] - now, 0.0)
+    def step_ends(self, now: float) -> np.ndarray | None:
+        """When each slot block's engine's running step ends (``-inf``: never reported), in
+        slot-block order: the lockstep rule's ``ends``; ``None`` when no step runs at ``now``
+        (O(1))."""
+        return self.block_end if self.last_end > now else None
 
     def restore(
         self,
@@ -97,7 +98,7 @@ class EnginePool:
         """Take the arrays of a saved state (checked by :func:`~.persistence.read_state`)."""
         self.home, self.state, self.last_move, self.seq = home, state, last_move, seq
         self.step_start, self.step_end = step_start, step_end
-        self.last_end = float(step_end.max()) if step_end.size else -np.inf
+        self.last_end = float(step_end.max())
         self.rebuild()
 
     def counts(self, state: int | None = None) -> np.ndarray:
@@ -169,6 +170,8 @@ class EnginePool:
         assert (self.step_start <= self.step_end).all(), "a step ends before it starts"
         assert self.last_end == self.step_end.max(), "the latest step end is stale"
         assert (self.block_engine == self.order[::r] // r).all(), "slot blocks are stale"
+        assert (self.block_engine[self.engine_block] == np.arange(self.home.shape[0])).all()
+        assert (self.block_end == self.step_end[self.block_engine]).all(), "block ends are stale"
         active = self.state == ACTIVE
         lay = self.layout
         assert lay.server == serving_buckets(self.counts(ACTIVE)).tolist(), "serving map is stale"
