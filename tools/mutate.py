@@ -66,6 +66,13 @@ EPLB_TESTS = (
     "tests/eplb/test_greedy_range.py",
 )
 
+#: The tests of the cost models (lbkit.core.cost and the private modules that hold them).
+COST_TESTS = (
+    "tests/core/test_cost.py",
+    "tests/core/test_cost_split.py",
+    "tests/core/test_mutation_cost.py",
+)
+
 #: Module under test -> (source file, test files (pytest node ids) run against its mutants).
 MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
     "decode/_kernels": (
@@ -101,13 +108,13 @@ MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
         "src/lbkit/prefill/ranks.py",
         ("tests/prefill/test_ranks.py", "tests/prefill/test_mutation_prefill.py"),
     ),
-    "core/cost": (
-        "src/lbkit/core/cost.py",
-        (
-            "tests/core/test_cost.py",
-            "tests/core/test_cost_split.py",
-            "tests/core/test_mutation_cost.py",
-        ),
+    "core/cost": ("src/lbkit/core/cost.py", COST_TESTS),  # the presets
+    "core/_prefill_cost": ("src/lbkit/core/_prefill_cost.py", COST_TESTS),
+    "core/_decode_cost": ("src/lbkit/core/_decode_cost.py", COST_TESTS),
+    # The shared terms have no examples of their own: the models' doctests exercise them.
+    "core/_cost_common": (
+        "src/lbkit/core/_cost_common.py",
+        (*COST_TESTS, "src/lbkit/core/_prefill_cost.py", "src/lbkit/core/_decode_cost.py"),
     ),
     "eplb/bounds": (
         "src/lbkit/eplb/bounds.py",
@@ -200,8 +207,16 @@ EQUIVALENT: dict[tuple[str, int], str] = {
     ("eplb/bounds", 17): "lower_bound(): as 14",
     ("eplb/greedy", 85): "warmup() only compiles: its inputs are never checked",
     ("eplb/greedy", 104): "warmup() only compiles: its inputs are never checked",
-    ("core/cost", 56): "solve_chunk(min_chunk=1): a chunk below 1 is already 0",
-    ("core/cost", 208): "n.shape[0] -> n.shape[-1] on a 1-D array",
+    ("core/_prefill_cost", 28): "solve_chunk(min_chunk=1): a chunk below 1 is already 0",
+    ("core/_prefill_cost", 60): "solve_chunk(): a fourth downward step changes the result only "
+    "where three left a chunk that still overruns the budget, and then the original returns that "
+    "overrunning chunk (max_chunk, align and min_chunk keep the difference only there); no test "
+    "of the solver's contract can prefer it",
+    ("core/_prefill_cost", 85): "step_time(): work() checks the same chunk_tokens array for "
+    "negatives, under the same name and before anything else, so the error is the same",
+    ("core/_prefill_cost", 133): "rank_step_s(): reshape(ranks, -2); numpy takes any negative "
+    "size as the one to infer, as -1",
+    ("core/_decode_cost", 46): "n.shape[0] -> n.shape[-1] on a 1-D array",
     ("eplb/bounds", 15): "the fallback mean of a layer without load is never used (ratio 1.0 "
     "there)",
 }
