@@ -207,14 +207,13 @@ EQUIVALENT: dict[tuple[str, int], str] = {
     ("eplb/bounds", 17): "lower_bound(): as 14",
     ("eplb/greedy", 85): "warmup() only compiles: its inputs are never checked",
     ("eplb/greedy", 104): "warmup() only compiles: its inputs are never checked",
-    ("core/_prefill_cost", 28): "solve_chunk(min_chunk=1): a chunk below 1 is already 0",
-    ("core/_prefill_cost", 60): "solve_chunk(): a fourth downward step changes the result only "
-    "where three left a chunk that still overruns the budget, and then the original returns that "
-    "overrunning chunk (max_chunk, align and min_chunk keep the difference only there); no test "
-    "of the solver's contract can prefer it",
-    ("core/_prefill_cost", 85): "step_time(): work() checks the same chunk_tokens array for "
+    ("core/_prefill_cost", 35): "solve_chunk(min_chunk=1): a chunk below 1 is already 0",
+    ("core/_prefill_cost", 70): "solve_chunk(): a fourth downward step changes nothing the "
+    "bisection after the steps would not (it finds the largest fitting chunk wherever the steps "
+    "left one that overruns or is short); only the number of evaluations differs",
+    ("core/_prefill_cost", 102): "step_time(): work() checks the same chunk_tokens array for "
     "negatives, under the same name and before anything else, so the error is the same",
-    ("core/_prefill_cost", 133): "rank_step_s(): reshape(ranks, -2); numpy takes any negative "
+    ("core/_prefill_cost", 167): "rank_step_s(): reshape(ranks, -2); numpy takes any negative "
     "size as the one to infer, as -1",
     ("core/_decode_cost", 46): "n.shape[0] -> n.shape[-1] on a 1-D array",
     ("eplb/bounds", 15): "the fallback mean of a layer without load is never used (ratio 1.0 "

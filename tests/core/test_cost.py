@@ -306,3 +306,44 @@ def test_fit_quality_figures_follow_their_definitions(seed, noise):
     want = 1 - ((np.log(pred) - log_t) ** 2).sum() / ((log_t - log_t.mean()) ** 2).sum()
     assert fit.r_squared_log == pytest.approx(want, rel=1e-9, abs=1e-12)
     assert fit.max_rel_error > clean.max_rel_error and fit.r_squared_log < clean.r_squared_log
+
+
+# A per-token cost tiny next to the budget (about 1e-15 of it or less): the closed form's root
+# is then far from the integer answer, beyond the solver's few correction steps.
+tiny_costs = st.builds(
+    QuadraticCost,
+    a=st.floats(0.0, 1e3),
+    b=st.sampled_from([2.0**-60, 2.0**-55, 1e-17]),
+    k=st.sampled_from([0.0, 1e-25, 8.538610812692633e-23]),
+    q=st.sampled_from([0.0, 2.0**-70]),
+    gamma=st.floats(0.0, 1e-3),
+    b_moe=st.sampled_from([0.0, 2.0**-58, 2.113547219364867e-15]),
+)
+
+
+@given(cost=tiny_costs, budget=st.floats(0.0, 2e3), prefix=st.integers(0, 10**7))
+@example(
+    cost=QuadraticCost(a=190.65084876147196, b=0.0, k=8.538610812692633e-23, q=0.0,
+                       gamma=1.3403602111174357e-4, b_moe=2.113547219364867e-15),
+    budget=1154.8211398379922, prefix=7193367,
+)  # fmt: skip
+def test_solve_chunk_fits_and_next_does_not_at_tiny_per_token_costs(cost, budget, prefix):
+    """Pinned: the example returned 288 tokens, which overran the budget (277 fit)."""
+    assume(budget - cost.a - cost.gamma * prefix > 0)  # no slack: 0 by definition
+    c = cost.solve_chunk(budget, prefix)
+    assume(c < 2**62)  # the solver's cap
+    if c > 0:
+        assert cost.predict(c, prefix) <= budget
+    assert cost.predict(c + 1, prefix) > budget
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6])
+def test_solve_chunk_one_ulp_steps_of_a_tiny_per_token_cost(m):
+    """One token costs 2**-55 s next to a 1 s fixed cost: a budget of ``1 + m * 2**-52`` fits
+    ``8m`` tokens exactly, plus the tokens whose cost rounds away (the largest chunk is found by
+    exact evaluation; the closed form alone was one token short for even ``m``)."""
+    cost = QuadraticCost(a=1.0, b=2.0**-55, k=0.0, q=0.0)
+    budget = 1.0 + m * 2.0**-52
+    c = cost.solve_chunk(budget, 0)
+    assert cost.predict(c, 0) <= budget < cost.predict(c + 1, 0)
+    assert c == max(x for x in range(8 * m + 8) if cost.predict(x, 0) <= budget)

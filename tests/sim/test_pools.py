@@ -65,3 +65,27 @@ def test_decode_pool_screens_what_needs_no_step_or_never_fits():
     assert pool.offer(3, 0.0) and pool.view.num_requests.sum() == 1
     assert not pool.retry(math.inf)
     np.testing.assert_array_equal(pool.view.kv_tokens, pool.DK[DK.DK_S])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    b=st.sampled_from([2.0**-55, 1e-17, 1e-4]),
+    k=st.sampled_from([0.0, 8.538610812692633e-23]),
+    gamma=st.floats(0.0, 1e-3),
+    budget=st.floats(1e-9, 2e3),
+    prefix=st.integers(0, 10**7),
+)
+def test_plan_kernel_solve_chunk_is_the_cost_models(b, k, gamma, budget, prefix):
+    """The simulator's chunk solver (the variable model, no fixed cost) returns what
+    ``QuadraticCost.solve_chunk`` returns for a cost without ``a``, down to per-token costs where
+    only its bisection finds the chunk (without shared expert work the two evaluate the work in
+    the same order, so they agree bit for bit at any magnitude)."""
+    from lbkit.core import QuadraticCost
+    from lbkit.sim import _plan_kernels
+
+    cost = QuadraticCost(a=0.0, b=b, k=k, q=0.0, gamma=gamma)
+    P = np.zeros(L.N_P)
+    P[L.P_B], P[L.P_K], P[L.P_Q], P[L.P_GAMMA] = b, k, 0.0, gamma
+    want = cost.solve_chunk(budget, prefix)
+    for kernel in (_plan_kernels.solve_chunk, _plan_kernels.solve_chunk.py_func):
+        assert kernel(P, budget, prefix) == want

@@ -16,7 +16,11 @@ from lbkit.core._cost_common import check_moe, per_rank, scalar_or_array, shared
 from lbkit.core._fit import CostFit
 from lbkit.core.validation import as_float_array, check_int, check_real
 
-__all__ = ["QuadraticCost"]
+__all__ = ["MAX_CHUNK", "QuadraticCost"]
+
+#: The largest chunk :meth:`QuadraticCost.solve_chunk` returns, tokens (far beyond any prompt;
+#: keeps ``chunk + 1`` and the solver's float conversions exact within int64).
+MAX_CHUNK = 2**62
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,7 +258,10 @@ class QuadraticCost:
         ``beta = b + b_moe*moe_lb + k*p`` the real root is
         ``c* = 2B / (beta + sqrt(beta^2 + 4qB))`` (the stable form: no cancellation when ``q``
         is small); ``B <= 0`` gives 0. The floor of ``c*`` is then corrected by exact evaluation,
-        so rounding never returns a chunk that overruns the budget.
+        so rounding never returns a chunk that overruns the budget: a few steps either way, and
+        where those do not reach the largest fitting chunk (a per-token cost below about
+        ``1e-15`` of the budget, where ``c*`` loses its precision), an integer bisection on the
+        exact evaluation (``predict`` is non-decreasing in the chunk).
 
         Parameters
         ----------
@@ -298,7 +305,7 @@ class QuadraticCost:
         with np.errstate(divide="ignore", invalid="ignore"):
             root = 2.0 * slack / (beta + np.sqrt(beta * beta + 4.0 * self.q * slack))
         root = np.where(slack > 0, root, 0.0)
-        c = np.floor(np.minimum(root, 2.0**62)).astype(np.int64)
+        c = np.floor(np.minimum(root, float(MAX_CHUNK))).astype(np.int64)
         # Exact correction of floating-point rounding: at most a step or two either way.
         for _ in range(3):
             up = (self._total(c + 1, p) <= budget) & (slack > 0)
@@ -306,11 +313,29 @@ class QuadraticCost:
         for _ in range(3):
             down = (c > 0) & (self._total(c, p) > budget)
             c = np.where(down, c - 1, c)
+        over = (c > 0) & (self._total(c, p) > budget)
+        short = (slack > 0) & (c < MAX_CHUNK) & (self._total(c + 1, p) <= budget)
+        wrong = over | short
+        if wrong.any():
+            c = c.copy()
+            c[wrong] = self._bisect_chunk(budget[wrong], p[wrong])
         if max_chunk is not None:
             c = np.minimum(c, max_chunk)
         c = (c // align) * align
         c = np.where(c < min_chunk, 0, c)
         return scalar_or_array(c)
+
+    def _bisect_chunk(self, budget: np.ndarray, p: np.ndarray) -> np.ndarray:
+        """Largest ``c`` in ``[0, MAX_CHUNK]`` with ``_total(c, p) <= budget`` (0 if none), by
+        bisection over the integers (63 evaluations)."""
+        lo = np.zeros(budget.shape, dtype=np.int64)  # 0: no chunk, always possible
+        hi = np.full(budget.shape, MAX_CHUNK + 1, dtype=np.int64)  # does not fit
+        while (hi - lo > 1).any():
+            mid = lo + (hi - lo) // 2
+            fits = self._total(mid, p) <= budget
+            lo = np.where(fits, mid, lo)
+            hi = np.where(fits, hi, mid)
+        return lo
 
     def _total(self, c: np.ndarray, p: np.ndarray) -> np.ndarray:
         """``predict`` of chunks ``c >= 1``, evaluated in the same order (bit-identical)."""

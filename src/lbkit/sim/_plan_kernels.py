@@ -14,6 +14,7 @@ import math
 import numpy as np
 
 from lbkit.core._jit import jit
+from lbkit.core._prefill_cost import MAX_CHUNK
 from lbkit.sim._prefill_layout import (
     KI_HEAD,
     KI_TAIL,
@@ -64,13 +65,13 @@ def solve_chunk(P, budget, p):
     """The largest chunk after a prefix of ``p`` whose planned work fits ``budget`` seconds:
     ``QuadraticCost.solve_chunk`` with ``a = 0`` (the variable model ``plan_chunks`` uses),
     align 1, unbounded by the request's tokens (the root of the quadratic, corrected by up to
-    three tokens each way)."""
+    three tokens each way, then by bisection where that was not enough)."""
     slack = budget - P[P_GAMMA] * p
     if not slack > 0.0:
         return 0
     beta = P[P_B] + P[P_MOE] + P[P_K] * p
     root = 2.0 * slack / (beta + math.sqrt(beta * beta + 4.0 * P[P_Q] * slack))
-    c = np.int64(math.floor(min(root, 2.0**62)))
+    c = np.int64(math.floor(min(root, float(MAX_CHUNK))))
     for _ in range(3):
         c1 = c + 1
         if plan_work(P, c1, p) <= budget:
@@ -78,6 +79,18 @@ def solve_chunk(P, budget, p):
     for _ in range(3):
         if c > 0 and plan_work(P, c, p) > budget:
             c -= 1
+    if (c > 0 and plan_work(P, c, p) > budget) or (
+        c < MAX_CHUNK and plan_work(P, c + 1, p) <= budget
+    ):
+        lo = np.int64(0)  # no chunk: always possible
+        hi = np.int64(MAX_CHUNK + 1)  # does not fit
+        while hi - lo > 1:
+            mid = lo + (hi - lo) // 2
+            if plan_work(P, mid, p) <= budget:
+                lo = mid
+            else:
+                hi = mid
+        c = lo
     return c
 
 
