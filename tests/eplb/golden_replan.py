@@ -5,7 +5,10 @@ accident.
 records every case's re-plan (``phy2log``, moves per layer, the move list, ``regrouped``,
 ``moe_lb``) into ``golden_replans.npz`` beside this file; ``test_golden_replan.py`` recomputes
 them and requires bit-identical arrays. Re-record only for a deliberate change of the re-plan's
-result, and say so in the commit message.
+result, and say so in the commit message. The loads come from seeded generators whose results do
+not depend on the CPU (``drift`` draws its factors with ``Generator.lognormal``; ``numpy.exp``
+on arrays runs vector code that differs by an ulp on CPUs with AVX-512, which once made this
+record fail on other machines).
 
 The cases cover the branches of the re-planner: global and hierarchical policies, the mean and
 layer tolerance scopes, per-layer and total budgets, tight and loose tolerances, one and two
@@ -15,6 +18,7 @@ slots per GPU, one GPU per node, single-expert groups, zero drift, zero loads an
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -112,4 +116,7 @@ def record(path: Path = FIXTURE) -> None:
 
 
 if __name__ == "__main__":
+    # The full re-plan, as the tests run it (conftest.py): compiled on first use, never the
+    # first-call path of a process whose kernels are not compiled yet.
+    os.environ.setdefault("LBKIT_JIT", "inline")
     record(Path(sys.argv[1]) if len(sys.argv) > 1 else FIXTURE)

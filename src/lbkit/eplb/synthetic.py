@@ -76,7 +76,10 @@ def synthetic_expert_load(
 def drift(weight: Any, /, *, sigma: float, rng: Any = None) -> np.ndarray:
     """Multiply every load by an independent lognormal factor ``exp(N(0, sigma))``.
 
-    Models how expert loads move between two recording windows.
+    Models how expert loads move between two recording windows. The factors are drawn by the
+    generator's ``lognormal`` (its exponential is the C library's), so the same seed gives the
+    same loads on every machine (``numpy.exp`` on arrays differs by an ulp on some CPUs, where
+    it runs its own vector code).
 
     Examples
     --------
@@ -87,4 +90,4 @@ def drift(weight: Any, /, *, sigma: float, rng: Any = None) -> np.ndarray:
     w = as_float_array(weight, "weight", ndim=2, nonnegative=True)
     sigma = check_real(sigma, "sigma", min_value=0.0)
     gen = as_rng(rng)
-    return w * np.exp(gen.normal(0.0, sigma, size=w.shape))
+    return w * gen.lognormal(0.0, sigma, size=w.shape)
