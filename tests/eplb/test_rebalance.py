@@ -8,7 +8,7 @@ import itertools
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from lbkit.eplb import (
@@ -113,13 +113,43 @@ def test_default_is_never_worse_than_greedy_and_never_beats_the_bound(inst):
     assert (lb >= 1.0).all()
 
 
-@given(inst=instances(tie_free=True), scale=st.sampled_from([1e-3, 0.5, 7.0, 1e4]))
-def test_scaling_loads_changes_nothing(inst, scale):
+@given(inst=instances(tie_free=True), scale=st.sampled_from([2.0**-10, 0.5, 8.0, 2.0**14]))
+def test_scaling_loads_by_a_power_of_two_changes_nothing(inst, scale):
+    """A power of two scales every load exactly: the plan is the same, slot for slot."""
+    weight, r, k, n, g, policy = inst
+    base = rebalance_experts(weight, r, k, n, g, policy=policy)
+    again = rebalance_experts(weight * scale, r, k, n, g, policy=policy)
+    np.testing.assert_array_equal(again.phy2log, base.phy2log)
+    np.testing.assert_array_equal(
+        lower_bound(weight * scale, r, k, n, g, policy=policy),
+        lower_bound(weight, r, k, n, g, policy=policy),
+    )
+
+
+@given(inst=instances(tie_free=True), scale=st.sampled_from([1e-3, 7.0, 1e4]))
+@example(
+    inst=(
+        np.array([
+            [721.8805542, 916.34838867, 2297.59277344, 1390.37548828, 440.12405396,
+             997.4017334, 732.17779541, 1077.14685059, 447.4932251, 1128.49621582,
+             1124.89587402, 2198.58300781],
+            [1171.54394531, 1290.81433105, 473.99508667, 3084.42285156, 383.72744751,
+             1734.81530762, 847.93438721, 643.82824707, 720.26037598, 714.61785889,
+             1209.3638916, 946.45739746],
+        ]),
+        36, 6, 3, 9, "global",
+    ),
+    scale=0.001,
+)  # fmt: skip
+def test_scaling_loads_keeps_the_balance(inst, scale):
+    """Other scales round every load: the search may end at another plan of about the same
+    balance, never beyond 0.1% (pinned: at 1e-3 the second layer's plan moved from 1.003105 to
+    1.003463 of the mean), and the lower bound stays the same."""
     weight, r, k, n, g, policy = inst
     base = moe_lb(weight, rebalance_experts(weight, r, k, n, g, policy=policy).phy2log, num_gpus=g)
     scaled = weight * scale
     again = rebalance_experts(scaled, r, k, n, g, policy=policy)
-    assert np.allclose(moe_lb(scaled, again.phy2log, num_gpus=g), base, rtol=1e-6)
+    assert np.allclose(moe_lb(scaled, again.phy2log, num_gpus=g), base, rtol=1e-3)
     assert np.allclose(
         lower_bound(scaled, r, k, n, g, policy=policy),
         lower_bound(weight, r, k, n, g, policy=policy),
