@@ -79,7 +79,9 @@ def _best_count_change(
     replicas only grow. A second, tighter bound counts the growth of ``a``'s replicas exactly
     (per ``(h, i)``, once for every ``b``), ``h``'s change exactly, and for each holder of ``b``
     at most ``min(shrink, its excess after a's growth)``; both bounds carry a slack above any
-    rounding, so they only skip steps that cannot be taken.
+    rounding, so they only skip steps that cannot be taken. When no GPU holds both ``a`` and
+    ``b``, the holders of ``b`` keep their loads until ``b`` shrinks, so the second bound is
+    ``reach[b]`` plus the parts of ``h`` and of ``a``'s growth, and the first is not needed.
     """
     dl, mark, touched, hot_list, reach = scratch
     num_gpus, slots = gpu_exp.shape
@@ -104,6 +106,7 @@ def _best_count_change(
             hot_list[n_hot] = b
             n_hot += 1
     amark = np.zeros(num_gpus, dtype=np.int64)  # GPUs holding a (stamp), their growth
+    bmark = np.zeros(num_log, dtype=np.int64)  # experts on a GPU holding a (stamp)
     adl = np.zeros(num_gpus)
     astamp = 0
     for pos in range(2 * num_gpus):  # GPUs above the target first: a high score early
@@ -133,7 +136,10 @@ def _best_count_change(
                     amark[g] = -astamp  # counted once
                     base += excess(load[g], target) - excess(load[g] + adl[g], target)
             for k in range(start[a], start[a + 1]):
-                amark[gpus[k]] = astamp
+                g = gpus[k]
+                amark[g] = astamp
+                for j in range(slots):
+                    bmark[gpu_exp[g, j]] = astamp  # shares a GPU with a
             h_after = load[h] + adl[h] - grow - size[a]
             for q in range(n_b):
                 b = q if h_heavy else hot_list[q]
@@ -145,15 +151,18 @@ def _best_count_change(
                 if cost > 0 and best_free:
                     continue
                 nb = nb_of[b]
-                bound = reach[b] + min(h_exc, max(size[a] - nb, 0.0)) + slack
-                if bound <= tol or _step_score(bound, cost, best_free, best_score) < 0.0:
-                    continue  # even the bound cannot beat the best step
                 shrink = size[b] - nb
-                bound = base + h_exc - excess(h_after + nb, target) + slack
-                for k in range(start[b], start[b + 1]):
-                    g = gpus[k]
-                    x = load[g] + adl[g] if amark[g] == astamp else load[g]
-                    bound += min(excess(x, target), shrink)
+                if bmark[b] != astamp:  # no GPU holds both: the second bound, from reach[b]
+                    bound = base + h_exc - excess(h_after + nb, target) + reach[b] + slack
+                else:
+                    bound = reach[b] + min(h_exc, max(size[a] - nb, 0.0)) + slack
+                    if bound <= tol or _step_score(bound, cost, best_free, best_score) < 0.0:
+                        continue  # even the bound cannot beat the best step
+                    bound = base + h_exc - excess(h_after + nb, target) + slack
+                    for k in range(start[b], start[b + 1]):
+                        g = gpus[k]
+                        x = load[g] + adl[g] if amark[g] == astamp else load[g]
+                        bound += min(excess(x, target), shrink)
                 if bound <= tol or _step_score(bound, cost, best_free, best_score) < 0.0:
                     continue  # even the bound cannot beat the best step
                 stamp += 1
