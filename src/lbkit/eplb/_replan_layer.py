@@ -460,12 +460,17 @@ def replan_layer(
     g_per_node = p.num_gpus // nodes
     per_gpu = slots // p.num_gpus
     target = max(float(node_bound.max()), fresh_max) * (1.0 + tol)
-    if node_of_group is None:
-        node_experts = np.arange(experts)[None, :]
-    else:  # the groups of each node in increasing order, their experts in order
-        group_size = experts // args.num_groups
-        groups = np.argsort(node_of_group, kind="stable").reshape(nodes, -1)
-        node_experts = (groups[:, :, None] * group_size + np.arange(group_size)).reshape(nodes, -1)
+    new = np.empty(slots, dtype=np.int64)
+    if node_of_group is None:  # one sub-problem, the layer: no local ids, no order
+        first = np.zeros(1, dtype=np.int64)
+        old_nodes = prev.reshape(1, g_per_node, per_gpu)
+        all_experts = np.arange(experts)[None, :]
+        used = replan_nodes(w[None, :], old_nodes, all_experts, prev, first, target, budget, new)
+        return new, int(used)
+    # the groups of each node in increasing order, their experts in order
+    group_size = experts // args.num_groups
+    groups = np.argsort(node_of_group, kind="stable").reshape(nodes, -1)
+    node_experts = (groups[:, :, None] * group_size + np.arange(group_size)).reshape(nodes, -1)
     local = node_experts.shape[1]
     log2local = np.full((nodes, experts), -1, dtype=np.int64)
     log2local[np.arange(nodes)[:, None], node_experts] = np.arange(local)
@@ -481,7 +486,6 @@ def replan_layer(
     per_slot = np.where(held, per_slot.reshape(old_nodes.shape), np.inf)
     stale = per_slot.sum(axis=2).max(axis=1) / target
     order = np.lexsort((np.arange(nodes), -stale))
-    new = np.empty(slots, dtype=np.int64)
     used = int(replan_nodes(w_nodes, old_nodes, node_experts, prev, order, target, budget, new))
     return new, used
 
