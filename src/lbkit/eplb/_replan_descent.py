@@ -218,23 +218,36 @@ def _best_swap(size, hold, cur, gpu_exp, load, target, budget, moves, best_free,
 
     The reduction of a swap is at most ``min(excess of h, target - load[k])``, and at most zero
     when ``k`` is above ``target``; such GPUs ``k`` are skipped, and so are those whose bound
-    (plus a slack above rounding) cannot beat a free best step.
+    (plus a slack above rounding) cannot beat the best step at the fewest moves a swap of
+    ``a`` with ``k`` can cost: ``[k never held a] - [a is a move on h]``, less one if ``k``
+    holds a replica that is a move (only such a ``b`` can lower the cost by leaving ``k``).
     """
     num_gpus, slots = gpu_exp.shape
     tol = REL_TOL * target
     slack = 1e-9 * target
     found = False
     bh = bi = bk = bj = -1
+    k_moved = np.zeros(num_gpus, dtype=np.bool_)  # k holds a replica that is a move
+    for k in range(num_gpus):
+        for j in range(slots):
+            e = gpu_exp[k, j]
+            if cur[k, e] > hold[k, e]:
+                k_moved[k] = True
     for h in range(num_gpus):
         if load[h] <= target + tol:
             continue
         h_exc = excess(load[h], target)
         for i in range(slots):
             a = gpu_exp[h, i]
+            a_moved = 1 if cur[h, a] > hold[h, a] else 0
             for k in range(num_gpus):
                 if k == h or load[k] > target or cur[k, a] > 0:
                     continue
-                if best_free and min(h_exc, target - load[k]) + slack <= best_score:
+                bound = min(h_exc, target - load[k]) + slack
+                cmin = (1 if hold[k, a] == 0 else 0) - a_moved - (1 if k_moved[k] else 0)
+                if cmin > 0 and (best_free or bound <= best_score * cmin):
+                    continue  # every swap here costs moves and cannot beat the best step
+                if best_free and bound <= best_score:
                     continue
                 for j in range(slots):
                     b = gpu_exp[k, j]
