@@ -59,6 +59,12 @@ TABLE_SCRIPTS = (
         (),
         "eplb_replan_speed.json",
     ),
+    (
+        "EPLB re-plan moves against the fixed-count bound",
+        "eplb_move_ratio.py",
+        (),
+        "eplb_move_ratio.json",
+    ),
     ("EPLB cold start", "cold_start.py", ("--inline",), "cold_start.json"),
     (
         "EPLB cold start: the first re-plan",
