@@ -59,6 +59,18 @@ TABLE_SCRIPTS = (
     ),
     ("EPLB balance and plan time", "eplb_targets.py", (), "eplb_targets.json"),
     ("EPLB re-planning under drift", "eplb_drift.py", (), "eplb_drift.json"),
+    (
+        "EPLB re-plan time against DeepSeek's fresh plan",
+        "eplb_replan_speed.py",
+        (),
+        "eplb_replan_speed.json",
+    ),
+    (
+        "EPLB re-plan moves against the fixed-count bound",
+        "eplb_move_ratio.py",
+        (),
+        "eplb_move_ratio.json",
+    ),
     ("EPLB cold start", "cold_start.py", ("--inline",), "cold_start.json"),
     (
         "EPLB cold start: the first re-plan",

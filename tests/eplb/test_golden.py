@@ -95,6 +95,7 @@ def test_python_twins_reach_no_compiled_kernel():
             greedy.greedy_plan,
             _bound_kernels.lower_bound_layers,
             _replan_layer.replan_subproblem,
+            _replan_layer.replan_nodes,
             _replan_layer.place_slots,
         )
     ]

@@ -241,10 +241,32 @@ def test_kernel_jit_parity():
         a, b = np.empty_like(old), np.empty_like(old)
         target = w.sum() / 4 * 1.001
         ma = _replan_layer.replan_subproblem.dispatcher(w, old, target, 6, 40, a)
-        mb = _replan_layer.replan_subproblem.py_func(w, old, target, 6, 40, b)
+        mb = _replan_layer.replan_subproblem.interpreted(w, old, target, 6, 40, b)
         assert ma == mb and np.array_equal(a, b)
         moved = brute_moves(old.reshape(1, -1), a.reshape(1, -1), 4)[0]
         assert ma == moved or (ma == 7 and np.array_equal(a, old))  # 7: beyond the budget
+
+
+@pytest.mark.jit_parity(kernels=(_replan_layer.replan_nodes,))
+def test_replan_nodes_jit_parity():
+    """Two nodes of 8 experts on 2 GPUs of 5 slots each, re-planned in one call: the compiled
+    kernel and its Python twin give the same row and moves."""
+    rng = np.random.default_rng(6)
+    for _ in range(4):
+        experts = rng.permutation(16).reshape(2, 8)  # global ids of each node's experts
+        rows = [rng.permutation(np.r_[np.arange(8), rng.integers(0, 8, 2)]) for _ in range(2)]
+        old = np.stack(rows).reshape(2, 2, 5)  # local ids, every expert held
+        prev = np.concatenate([experts[n][old[n].ravel()] for n in range(2)]).astype(np.int64)
+        w = rng.lognormal(0, 1, 16) * 100
+        w_nodes = w[experts]
+        target = w.sum() / 4 * 1.001
+        order = np.array([1, 0], dtype=np.int64)
+        a, b = np.empty_like(prev), np.empty_like(prev)
+        args = (w_nodes, old.astype(np.int64), experts.astype(np.int64), prev, order, target, 6)
+        ma = _replan_layer.replan_nodes.dispatcher(*args, a)
+        mb = _replan_layer.replan_nodes.interpreted(*args, b)
+        assert ma == mb and np.array_equal(a, b)
+        assert ma == brute_moves(prev[None], a[None], 4)[0] or (ma == 7 and np.array_equal(a, prev))
 
 
 def test_descent_fixes_each_heavy_gpu_for_few_moves():

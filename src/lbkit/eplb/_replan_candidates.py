@@ -58,7 +58,7 @@ class Context(NamedTuple):
     fresh_lb: np.ndarray  # (layers,) its moe_lb
     fresh_max: np.ndarray  # (layers,) its largest GPU load
     old_lb: np.ndarray  # (layers,) moe_lb of the old plan under the new loads
-    memo: dict[tuple[int, float, int], tuple[np.ndarray, int, bool]]  # _replan_one's results
+    memo: dict[tuple, tuple]  # _replan_one's results, and the old rows' moe_lb
 
 
 def context(args: ReplanArgs) -> Context:
@@ -120,25 +120,30 @@ def _row_max(w: np.ndarray, row: np.ndarray, num_gpus: int) -> float:
 
 def _replan_one(
     args: ReplanArgs, ctx: Context, layer: int, tol: float, budget: int
-) -> tuple[np.ndarray, int, bool]:
-    """Re-plan one layer at per-layer tolerance ``tol``: ``(row, moves, regrouped)``; the old
-    row with zero moves unless the result is strictly better than keeping it. Memoised in
-    ``ctx.memo`` (the total-budget mode asks for some results twice)."""
+) -> tuple[np.ndarray, int, bool, float]:
+    """Re-plan one layer at per-layer tolerance ``tol``: ``(row, moves, regrouped, moe_lb of
+    the row)``; the old row with zero moves unless the result is strictly better than keeping
+    it. Memoised in ``ctx.memo`` (the total-budget mode asks for some results twice)."""
     key = (layer, tol, budget)
     if key not in ctx.memo:
         ctx.memo[key] = _replan_one_uncached(args, ctx, layer, tol, budget)
-    row, used, regrouped = ctx.memo[key]
-    return row.copy(), used, regrouped
+    row, used, regrouped, lb = ctx.memo[key]
+    if lb is None:  # the old row
+        if ("old", layer) not in ctx.memo:
+            p = args.problem
+            ctx.memo["old", layer] = (row_lb(p.weight[layer], row, p.num_gpus),)
+        lb = ctx.memo["old", layer][0]
+    return row.copy(), used, regrouped, lb
 
 
 def _replan_one_uncached(
     args: ReplanArgs, ctx: Context, layer: int, tol: float, budget: int
-) -> tuple[np.ndarray, int, bool]:
+) -> tuple[np.ndarray, int, bool, float | None]:
     p = args.problem
     w, prev = p.weight[layer], args.previous[layer]
     fresh_max = float(ctx.fresh_max[layer])
     if ctx.old_lb[layer] <= ctx.fresh_lb[layer] * (1.0 + tol):
-        return prev.copy(), 0, False  # the old plan is as good as a fresh one: nothing to move
+        return prev.copy(), 0, False, None  # as good as a fresh plan: nothing to move
     part = None if ctx.partitions is None else ctx.partitions[layer]
     row, used = replan_layer(w, prev, part, ctx.bounds[layer], fresh_max, args, tol, budget)
     if used > budget and part is not None:
@@ -160,9 +165,9 @@ def _replan_one_uncached(
     new_lb = row_lb(w, row, p.num_gpus)
     old_lb = ctx.old_lb[layer]
     if new_lb > old_lb or (used > 0 and new_lb >= old_lb * (1.0 - 1e-12)):
-        return prev.copy(), 0, False
+        return prev.copy(), 0, False, None
     regrouped = part is not None and not np.array_equal(part, ctx.old_parts[layer])
-    return row, used, bool(regrouped)
+    return row, used, bool(regrouped), new_lb
 
 
 def replan_all(
@@ -175,7 +180,7 @@ def replan_all(
     moves = np.zeros(layers, dtype=np.int64)
     regrouped = np.zeros(layers, dtype=bool)
     for layer in range(layers):
-        phy2log[layer], moves[layer], regrouped[layer] = _replan_one(
+        phy2log[layer], moves[layer], regrouped[layer], _ = _replan_one(
             args, ctx, layer, args.tolerance, int(budgets[layer])
         )
     return phy2log, moves, regrouped
@@ -261,8 +266,7 @@ def mean_candidates(
         for tol in levels:
             if reached <= ctx.fresh_lb[layer] * (1.0 + tol) * (1.0 + 1e-12):
                 continue  # a looser level's result already meets this one
-            row, used, regroup = _replan_one(args, ctx, layer, tol, budget)
-            v = row_lb(w, row, p.num_gpus)
+            row, used, regroup, v = _replan_one(args, ctx, layer, tol, budget)
             reached = min(reached, v)
             if used > 0:
                 opts.append((used, v, row, regroup))

@@ -43,18 +43,16 @@ def select(moves: np.ndarray, lb: np.ndarray, cap: float, limit: int | None = No
     best = np.zeros(top + 1)  # best[t]: smallest sum of lb with exactly t moves so far
     best[1:] = np.inf
     arg = np.zeros((layers, top + 1), dtype=np.int16)  # candidate index
+    cand = np.empty((width, top + 1))
+    cols = np.arange(top + 1)
     for i in range(layers):
-        nxt = np.full(top + 1, np.inf)
+        cand[:] = np.inf
         for c in range(width):
-            if not ok[i, c]:
-                continue
-            k = int(m[i, c])
-            cand = np.full(top + 1, np.inf)
-            cand[k:] = best[: top + 1 - k] + lb[i, c]
-            better = cand < nxt
-            nxt[better] = cand[better]
-            arg[i, better] = c
-        best = nxt
+            if ok[i, c]:
+                k = int(m[i, c])
+                cand[c, k:] = best[: top + 1 - k] + lb[i, c]
+        arg[i] = np.argmin(cand, axis=0)  # the first of the smallest: lowest candidate index
+        best = cand[arg[i], cols]
     fits = np.flatnonzero(best <= cap)
     t = int(fits[0]) if len(fits) else int(np.argmin(best))
     choice = np.empty(layers, dtype=np.int64)

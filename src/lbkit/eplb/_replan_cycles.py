@@ -21,7 +21,7 @@ CYCLE_CLOSERS = 6
 
 
 @jit
-def _chain_from(size, gpu_exp, cur, load, target, tol, k, j, by_rise, mark, stamp, ch_g, ch_i):
+def _chain_from(size, gpu_exp, cur, load, target, tol, k, j, by_rise, mark, stamp, chain, heavy):
     """Longest exchange cycle closed by slot ``j`` of the light GPU ``k`` (counts fixed).
 
     ``k`` gives its replica ``c`` (slot ``j``) to a GPU above ``target``; each GPU of the chain
@@ -30,9 +30,11 @@ def _chain_from(size, gpu_exp, cur, load, target, tol, k, j, by_rise, mark, stam
     chain and their total rise is at most ``k``'s room. Greedy: the next GPU is the one whose
     step leaves the least slack over its excess (lowest GPU, slot among equals). Returns
     ``(m, span)``: the longest prefix that ``k`` can close (it must not hold the last replica's
-    expert) and its total rise; the chain is in ``ch_g[:m], ch_i[:m]``.
+    expert) and its total rise; the chain is in ``ch_g[:m], ch_i[:m]`` (``chain = (ch_g,
+    ch_i)``). ``heavy``: the GPUs above ``target``, increasing.
     """
-    num_gpus, slots = gpu_exp.shape
+    ch_g, ch_i = chain
+    slots = gpu_exp.shape[1]
     room = target - load[k]
     c = gpu_exp[k, j]
     s_in = size[c]
@@ -45,8 +47,8 @@ def _chain_from(size, gpu_exp, cur, load, target, tol, k, j, by_rise, mark, stam
         bh = -1
         bi = -1
         bslack = np.inf
-        for h in range(num_gpus):
-            if mark[h] == stamp or load[h] <= target + tol or cur[h, e_in] > 0:
+        for h in heavy:
+            if mark[h] == stamp or cur[h, e_in] > 0:
                 continue
             exc = load[h] - target
             for i in range(slots):
@@ -95,12 +97,14 @@ def cycles(size, gpu_exp, cur, load, target, budget, hold, moves, cur_tmp):
     closers = np.empty(CYCLE_CLOSERS, dtype=np.int64)
     ckey = np.empty(CYCLE_CLOSERS)
     stamp = 0
+    heavy = np.empty(num_gpus, dtype=np.int64)
     for _cycle in range(num_gpus):
-        heavy = 0
+        n_heavy = 0
         for g in range(num_gpus):
             if load[g] > target + tol:
-                heavy += 1
-        if heavy == 0:
+                heavy[n_heavy] = g
+                n_heavy += 1
+        if n_heavy == 0:
             break
         nc = 0
         for g in range(num_gpus):
@@ -115,8 +119,9 @@ def cycles(size, gpu_exp, cur, load, target, budget, hold, moves, cur_tmp):
             j = (q // 2) % slots
             stamp += 1
             m, rise = _chain_from(
-                size, gpu_exp, cur, load, target, tol, k, j, q % 2 == 1, mark, stamp, ch_g, ch_i
-            )
+                size, gpu_exp, cur, load, target, tol, k, j, q % 2 == 1, mark, stamp,
+                (ch_g, ch_i), heavy[:n_heavy],
+            )  # fmt: skip
             if m == 0:
                 continue
             fixed = 0.0

@@ -79,7 +79,9 @@ def _best_count_change(
     replicas only grow. A second, tighter bound counts the growth of ``a``'s replicas exactly
     (per ``(h, i)``, once for every ``b``), ``h``'s change exactly, and for each holder of ``b``
     at most ``min(shrink, its excess after a's growth)``; both bounds carry a slack above any
-    rounding, so they only skip steps that cannot be taken.
+    rounding, so they only skip steps that cannot be taken. When no GPU holds both ``a`` and
+    ``b``, the holders of ``b`` keep their loads until ``b`` shrinks, so the second bound is
+    ``reach[b]`` plus the parts of ``h`` and of ``a``'s growth, and the first is not needed.
     """
     dl, mark, touched, hot_list, reach = scratch
     num_gpus, slots = gpu_exp.shape
@@ -104,6 +106,7 @@ def _best_count_change(
             hot_list[n_hot] = b
             n_hot += 1
     amark = np.zeros(num_gpus, dtype=np.int64)  # GPUs holding a (stamp), their growth
+    bmark = np.zeros(num_log, dtype=np.int64)  # experts on a GPU holding a (stamp)
     adl = np.zeros(num_gpus)
     astamp = 0
     for pos in range(2 * num_gpus):  # GPUs above the target first: a high score early
@@ -133,7 +136,10 @@ def _best_count_change(
                     amark[g] = -astamp  # counted once
                     base += excess(load[g], target) - excess(load[g] + adl[g], target)
             for k in range(start[a], start[a + 1]):
-                amark[gpus[k]] = astamp
+                g = gpus[k]
+                amark[g] = astamp
+                for j in range(slots):
+                    bmark[gpu_exp[g, j]] = astamp  # shares a GPU with a
             h_after = load[h] + adl[h] - grow - size[a]
             for q in range(n_b):
                 b = q if h_heavy else hot_list[q]
@@ -145,15 +151,18 @@ def _best_count_change(
                 if cost > 0 and best_free:
                     continue
                 nb = nb_of[b]
-                bound = reach[b] + min(h_exc, max(size[a] - nb, 0.0)) + slack
-                if bound <= tol or _step_score(bound, cost, best_free, best_score) < 0.0:
-                    continue  # even the bound cannot beat the best step
                 shrink = size[b] - nb
-                bound = base + h_exc - excess(h_after + nb, target) + slack
-                for k in range(start[b], start[b + 1]):
-                    g = gpus[k]
-                    x = load[g] + adl[g] if amark[g] == astamp else load[g]
-                    bound += min(excess(x, target), shrink)
+                if bmark[b] != astamp:  # no GPU holds both: the second bound, from reach[b]
+                    bound = base + h_exc - excess(h_after + nb, target) + reach[b] + slack
+                else:
+                    bound = reach[b] + min(h_exc, max(size[a] - nb, 0.0)) + slack
+                    if bound <= tol or _step_score(bound, cost, best_free, best_score) < 0.0:
+                        continue  # even the bound cannot beat the best step
+                    bound = base + h_exc - excess(h_after + nb, target) + slack
+                    for k in range(start[b], start[b + 1]):
+                        g = gpus[k]
+                        x = load[g] + adl[g] if amark[g] == astamp else load[g]
+                        bound += min(excess(x, target), shrink)
                 if bound <= tol or _step_score(bound, cost, best_free, best_score) < 0.0:
                     continue  # even the bound cannot beat the best step
                 stamp += 1
@@ -205,18 +214,40 @@ def _best_count_change(
 def _best_swap(size, hold, cur, gpu_exp, load, target, budget, moves, best_free, best_score):
     """The best swap that beats ``(best_free, best_score)``: replica ``a`` (slot ``i``) of a GPU
     ``h`` above ``target`` with a smaller replica ``b`` (slot ``j``) of GPU ``k``. Returns
-    ``(found, best_free, best_score, h, i, k, j)``."""
+    ``(found, best_free, best_score, h, i, k, j)``.
+
+    The reduction of a swap is at most ``min(excess of h, target - load[k])``, and at most zero
+    when ``k`` is above ``target``; such GPUs ``k`` are skipped, and so are those whose bound
+    (plus a slack above rounding) cannot beat the best step at the fewest moves a swap of
+    ``a`` with ``k`` can cost: ``[k never held a] - [a is a move on h]``, less one if ``k``
+    holds a replica that is a move (only such a ``b`` can lower the cost by leaving ``k``).
+    """
     num_gpus, slots = gpu_exp.shape
     tol = REL_TOL * target
+    slack = 1e-9 * target
     found = False
     bh = bi = bk = bj = -1
+    k_moved = np.zeros(num_gpus, dtype=np.bool_)  # k holds a replica that is a move
+    for k in range(num_gpus):
+        for j in range(slots):
+            e = gpu_exp[k, j]
+            if cur[k, e] > hold[k, e]:
+                k_moved[k] = True
     for h in range(num_gpus):
         if load[h] <= target + tol:
             continue
+        h_exc = excess(load[h], target)
         for i in range(slots):
             a = gpu_exp[h, i]
+            a_moved = 1 if cur[h, a] > hold[h, a] else 0
             for k in range(num_gpus):
-                if k == h or cur[k, a] > 0:
+                if k == h or load[k] > target or cur[k, a] > 0:
+                    continue
+                bound = min(h_exc, target - load[k]) + slack
+                cmin = (1 if hold[k, a] == 0 else 0) - a_moved - (1 if k_moved[k] else 0)
+                if cmin > 0 and (best_free or bound <= best_score * cmin):
+                    continue  # every swap here costs moves and cannot beat the best step
+                if best_free and bound <= best_score:
                     continue
                 for j in range(slots):
                     b = gpu_exp[k, j]
@@ -248,18 +279,36 @@ def _best_swap(size, hold, cur, gpu_exp, load, target, budget, moves, best_free,
 
 
 @jit
-def _close_chain(size, hold, cur, gpu_exp, load, target, cg, ci, m, mark, stamp, limit, by_room):
+def _slots_by_size(size, gpu_exp, g, out):
+    """The slots of GPU ``g`` by decreasing replica size, lowest slot among equals (insertion
+    sort: ``S`` is small)."""
+    slots = gpu_exp.shape[1]
+    for j in range(slots):
+        x = size[gpu_exp[g, j]]
+        pos = j
+        while pos > 0 and size[gpu_exp[g, out[pos - 1]]] < x:
+            out[pos] = out[pos - 1]
+            pos -= 1
+        out[pos] = j
+
+
+@jit
+def _close_chain(size, cur, gpu_exp, load, target, cg, ci, m, mark, stamp, limit, by_room):
     """The light GPU ``k`` (slot ``j``) that closes the chain ``cg[:m], ci[:m]``: it takes the
     first GPU's replica and gives one of size at most ``limit`` to the last; among those, the
     lowest load after the exchange (lowest GPU, slot among equals). Returns ``(k, j, load of k
     after)``, ``k = -1`` if none.
 
-    ``by_room = (order, key)``: the GPUs by increasing ``key[k] = load[k] - (largest replica of
-    k)``, a lower bound on ``k``'s load after the exchange less ``size[a1]``; the search stops
-    once that bound is above the best so far, or above ``target`` (which the load after the
-    exchange may not exceed), by a slack above rounding.
+    ``by_room = (order, key, by_size)``: the GPUs by increasing load, ``key[k] = load[k] -
+    (largest replica of k)`` and ``by_size[k]``, the slots of ``k`` by decreasing size (lowest
+    slot among equals). The load of ``k`` after the exchange less ``size[a1]`` is at least
+    ``key[k]`` and at least ``load[k] - limit``: a GPU whose bound is above the best so far, or
+    above ``target`` (which the load after the exchange may not exceed), by a slack above
+    rounding, is skipped, and the search stops at the first GPU whose second bound is (the
+    loads increase). On each GPU only the largest replica that fits is tried (and those after
+    it that leave the same load after rounding).
     """
-    order, key = by_room
+    order, key, by_size = by_room
     num_gpus, slots = gpu_exp.shape
     tol = REL_TOL * target
     slack = 1e-9 * target
@@ -269,17 +318,25 @@ def _close_chain(size, hold, cur, gpu_exp, load, target, cg, ci, m, mark, stamp,
     ck_load = 0.0
     for r in range(num_gpus):
         k = order[r]
-        if key[k] + size[a1] > (ck_load if ck >= 0 else target + tol) + slack:
+        best = (ck_load if ck >= 0 else target + tol) + slack
+        if load[k] - (limit + tol) + size[a1] > best:
             break  # no slot of this GPU or the next ones fits, or beats the best
-        if mark[k] == stamp or cur[k, a1] > 0:
+        if key[k] + size[a1] > best or mark[k] == stamp or cur[k, a1] > 0:
             continue
         room = target - load[k] - size[a1]
-        for j in range(slots):
+        first = np.inf  # load after the exchange with the largest replica that fits
+        for t in range(slots):
+            j = by_size[k, t]
             c = gpu_exp[k, j]
             sc = size[c]
-            if sc > limit + tol or -sc > room + tol or cur[last, c] > 0:
+            if sc > limit + tol or cur[last, c] > 0:
                 continue
+            if -sc > room + tol:
+                break  # the smaller replicas after it do not fit either
             nl = load[k] + size[a1] - sc
+            if nl > first:
+                break  # smaller replicas only leave k more loaded
+            first = nl
             if ck < 0 or nl < ck_load or (nl == ck_load and (k < ck or (k == ck and j < cj))):
                 ck = k
                 cj = j
@@ -313,11 +370,12 @@ def _best_chain(
     every GPU above ``target``: each step adds the largest replica (of size at most the limit
     the chain leaves) of another GPU above ``target`` that the last GPU does not hold.
 
-    ``scratch``: ``(mark, cg, ci)`` work arrays; the chain found goes to ``best = (bcg, bci)``.
+    ``scratch``: ``(mark, cg, ci, hs_g, hs_j, hs_key)`` work arrays (``hs_*`` of ``G S``
+    entries); the chain found goes to ``best = (bcg, bci)``.
     Returns ``(found, best_free, best_score, m, k, j)``: ``m`` GPUs above ``target`` and the
     closing slot ``j`` of GPU ``k``.
     """
-    mark, cg, ci = scratch
+    mark, cg, ci, hs_g, hs_j, hs_key = scratch
     bcg, bci = best
     num_gpus, slots = gpu_exp.shape
     tol = REL_TOL * target
@@ -327,13 +385,25 @@ def _best_chain(
     bk = bj = -1
     stamp = 0
     key = np.empty(num_gpus)  # GPUs by their load less their largest replica (_close_chain)
+    by_size = np.empty((num_gpus, slots), dtype=np.int64)
     for g in range(num_gpus):
         mark[g] = 0
-        top = 0.0
-        for j in range(slots):
-            top = max(top, size[gpu_exp[g, j]])
-        key[g] = load[g] - top
-    by_room = (np.argsort(key, kind="mergesort"), key)
+        _slots_by_size(size, gpu_exp, g, by_size[g])
+        key[g] = load[g] - size[gpu_exp[g, by_size[g, 0]]]
+    by_room = (np.argsort(load, kind="mergesort"), key, by_size)
+    # slots of the GPUs above the target by decreasing size (lowest GPU, slot among equals)
+    n_hs = 0
+    for g in range(num_gpus):
+        if load[g] > target + tol:
+            for j in range(slots):
+                hs_g[n_hs] = g
+                hs_j[n_hs] = j
+                hs_key[n_hs] = -size[gpu_exp[g, j]]
+                n_hs += 1
+    hs_order = np.argsort(hs_key[:n_hs], kind="mergesort")
+    hs_neg = np.empty(n_hs)
+    for q in range(n_hs):
+        hs_neg[q] = hs_key[hs_order[q]]
     for h1 in range(num_gpus):
         if load[h1] <= target + tol:
             continue
@@ -351,9 +421,8 @@ def _best_chain(
                 ck_load = 0.0
                 if m >= 2:  # a chain of one heavy GPU is a swap
                     ck, cj, ck_load = _close_chain(
-                        size, hold, cur, gpu_exp, load, target, cg, ci, m, mark, stamp, limit,
-                        by_room,
-                    )  # fmt: skip
+                        size, cur, gpu_exp, load, target, cg, ci, m, mark, stamp, limit, by_room
+                    )
                 if ck >= 0:
                     cost, red = _chain_value(
                         size, hold, cur, gpu_exp, load, target, cg, ci, m, ck, cj, ck_load
@@ -372,19 +441,19 @@ def _best_chain(
                             bj = cj
                 if m >= max_chain:
                     break
+                # the largest replica of size at most the limit (first in the sorted list)
                 nh = ni = -1
-                for g in range(num_gpus):
-                    if mark[g] == stamp or load[g] <= target + tol:
+                for q in range(np.searchsorted(hs_neg, -(limit + tol)), n_hs):
+                    g = hs_g[hs_order[q]]
+                    j = hs_j[hs_order[q]]
+                    x = gpu_exp[g, j]
+                    if mark[g] == stamp or cur[last, x] > 0:
                         continue
-                    for j in range(slots):
-                        x = gpu_exp[g, j]
-                        if size[x] > limit + tol or cur[last, x] > 0:
-                            continue
-                        if size[x] - (load[g] - target) <= tol:
-                            continue
-                        if nh < 0 or size[x] > size[gpu_exp[nh, ni]]:
-                            nh = g
-                            ni = j
+                    if size[x] - (load[g] - target) <= tol:
+                        continue
+                    nh = g
+                    ni = j
+                    break
                 if nh < 0:
                     break
                 mark[nh] = stamp
@@ -450,6 +519,9 @@ def descend(w, size, cnt, hold, cur, gpu_exp, load, target, budget, moves, max_s
         np.zeros(num_gpus, dtype=np.int64),
         np.empty(num_gpus, dtype=np.int64),
         np.empty(num_gpus, dtype=np.int64),
+        np.empty(num_gpus * slots, dtype=np.int64),
+        np.empty(num_gpus * slots, dtype=np.int64),
+        np.empty(num_gpus * slots),
     )
     bcg = np.empty(num_gpus, dtype=np.int64)
     bci = np.empty(num_gpus, dtype=np.int64)

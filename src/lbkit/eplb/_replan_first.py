@@ -22,7 +22,7 @@ from lbkit.core._jit import jit_disabled, jit_mode
 from lbkit.eplb._regroup import old_partition
 from lbkit.eplb._replan_candidates import matched_fresh, regrouped, row_lb
 from lbkit.eplb._replan_choice import select
-from lbkit.eplb._replan_layer import ReplanArgs, replan_subproblem
+from lbkit.eplb._replan_layer import ReplanArgs, replan_nodes
 from lbkit.eplb.balanced import balanced_rebalance
 from lbkit.eplb.bounds import moe_lb
 
@@ -37,7 +37,8 @@ def replan_kernels_ready() -> bool:
     if jit_mode() == "inline" or jit_disabled():
         return True
     grid = np.zeros((1, 1), dtype=np.int64)
-    return replan_subproblem.is_compiled(np.zeros(1), grid, 1.0, 1, 1, grid)
+    row = np.zeros(1, dtype=np.int64)
+    return replan_nodes.is_compiled(np.zeros((1, 1)), grid[None], grid, row, row, 1.0, 1, row)
 
 
 def replan_matched(args: ReplanArgs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

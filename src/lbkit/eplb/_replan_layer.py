@@ -31,9 +31,12 @@ from lbkit.eplb._replan_local import local_search, reclaim
 __all__ = [
     "MAX_STEPS_PER_SLOT",
     "ReplanArgs",
+    "place_rows",
     "place_slots",
     "replan_layer",
+    "replan_nodes",
     "replan_subproblem",
+    "subproblem",
     "warmup",
 ]
 
@@ -55,8 +58,8 @@ class ReplanArgs(NamedTuple):
     num_nodes: int
 
 
-@entry
-def place_slots(prev, new, out):
+@jit
+def place_rows(prev, new, out):
     """Slots of every GPU (rows of ``prev`` and ``new``, ``(G, S)`` expert ids): a replica of
     ``new`` that ``prev`` holds keeps its slot (earliest such slot first), the other replicas
     of ``new`` fill the remaining slots in increasing expert order, lowest slot first."""
@@ -89,6 +92,12 @@ def place_slots(prev, new, out):
                     r += 1
                 out[g, i] = rest[r]
                 used[r] = True
+
+
+@entry
+def place_slots(prev, new, out):
+    """:func:`place_rows`, called from Python."""
+    place_rows(prev, new, out)
 
 
 @jit
@@ -170,8 +179,8 @@ def _better(val, moves, best_val, best_moves, limit):
     )
 
 
-@entry
-def replan_subproblem(w, old_exp, target, budget, max_steps, gpu_exp):
+@jit
+def subproblem(w, old_exp, target, budget, max_steps, gpu_exp):
     """Re-plan one sub-problem from ``old_exp`` with at most ``budget`` moves.
 
     1. **Counts**: old counts; experts without a replica get one and slots freed by experts
@@ -389,6 +398,47 @@ def replan_subproblem(w, old_exp, target, budget, max_steps, gpu_exp):
     return best_moves
 
 
+@entry
+def replan_subproblem(w, old_exp, target, budget, max_steps, gpu_exp):
+    """:func:`subproblem`, called from Python."""
+    return subproblem(w, old_exp, target, budget, max_steps, gpu_exp)
+
+
+@entry
+def replan_nodes(w_nodes, old_nodes, node_experts, prev, order, target, budget, new):
+    """Re-plan the sub-problems of one layer (its nodes) in the given ``order`` within one
+    ``budget``: each takes what the ones before it left (:func:`subproblem`), and its slots go
+    into ``new`` by :func:`place_rows` (unchanged replicas keep their slots).
+
+    ``w_nodes[n]``: loads of node ``n``'s experts (local ids), ``node_experts[n]`` their global
+    ids; ``old_nodes[n]``: the old plan of its GPUs in local ids (``-1``: another node's
+    expert); ``prev``: the old ``phy2log`` row. Returns the moves, or ``budget + 1`` (``new``
+    then holds ``prev``) when a sub-problem cannot be re-planned within what is left.
+    """
+    nodes, gpus, per = old_nodes.shape
+    phy = gpus * per
+    max_steps = MAX_STEPS_PER_SLOT * phy + 8
+    out = np.empty((gpus, per), dtype=np.int64)
+    glob = np.empty((gpus, per), dtype=np.int64)
+    placed = np.empty((gpus, per), dtype=np.int64)
+    left = budget
+    for q in range(nodes):
+        n = order[q]
+        used = subproblem(w_nodes[n], old_nodes[n], target, left, max_steps, out)
+        if used > left:
+            new[:] = prev
+            return budget + 1
+        left -= used
+        for g in range(gpus):
+            for i in range(per):
+                glob[g, i] = node_experts[n, out[g, i]]
+        place_rows(prev[n * phy : (n + 1) * phy].reshape(gpus, per), glob, placed)
+        for g in range(gpus):
+            for i in range(per):
+                new[n * phy + g * per + i] = placed[g, i]
+    return budget - left
+
+
 def replan_layer(
     w: np.ndarray,
     prev: np.ndarray,
@@ -409,48 +459,47 @@ def replan_layer(
     nodes = 1 if node_of_group is None else args.num_nodes
     g_per_node = p.num_gpus // nodes
     per_gpu = slots // p.num_gpus
-    phy_per_node = slots // nodes
     target = max(float(node_bound.max()), fresh_max) * (1.0 + tol)
-    group_size = experts // (1 if node_of_group is None else args.num_groups)
     new = np.empty(slots, dtype=np.int64)
-    jobs = []
-    for n in range(nodes):
-        if node_of_group is None:
-            local2log = np.arange(experts)
-        else:
-            groups = np.flatnonzero(node_of_group == n)
-            local2log = (groups[:, None] * group_size + np.arange(group_size)).ravel()
-        log2local = np.full(experts, -1, dtype=np.int64)
-        log2local[local2log] = np.arange(len(local2log))
-        seg = prev[n * phy_per_node : (n + 1) * phy_per_node]
-        old_exp = log2local[seg].reshape(g_per_node, per_gpu)
-        wl = w[local2log]
-        size = wl / np.maximum(np.bincount(old_exp[old_exp >= 0], minlength=len(wl)), 1)
-        stale = np.where(old_exp >= 0, size[np.maximum(old_exp, 0)], np.inf).sum(axis=1).max()
-        jobs.append((stale / target, n, local2log, old_exp, wl))
-    left = budget
-    total = 0
-    for _, n, local2log, old_exp, wl in sorted(jobs, key=lambda j: (-j[0], j[1])):
-        out = np.empty_like(old_exp)
-        steps = MAX_STEPS_PER_SLOT * old_exp.size + 8
-        used = int(replan_subproblem(wl, old_exp, target, left, steps, out))
-        if used > left:
-            return prev.copy(), budget + 1
-        left -= used
-        total += used
-        seg = slice(n * phy_per_node, (n + 1) * phy_per_node)
-        placed = np.empty_like(out)
-        place_slots(prev[seg].reshape(g_per_node, per_gpu), local2log[out], placed)
-        new[seg] = placed.ravel()
-    return new, total
+    if node_of_group is None:  # one sub-problem, the layer: no local ids, no order
+        first = np.zeros(1, dtype=np.int64)
+        old_nodes = prev.reshape(1, g_per_node, per_gpu)
+        all_experts = np.arange(experts)[None, :]
+        used = replan_nodes(w[None, :], old_nodes, all_experts, prev, first, target, budget, new)
+        return new, int(used)
+    # the groups of each node in increasing order, their experts in order
+    group_size = experts // args.num_groups
+    groups = np.argsort(node_of_group, kind="stable").reshape(nodes, -1)
+    node_experts = (groups[:, :, None] * group_size + np.arange(group_size)).reshape(nodes, -1)
+    local = node_experts.shape[1]
+    log2local = np.full((nodes, experts), -1, dtype=np.int64)
+    log2local[np.arange(nodes)[:, None], node_experts] = np.arange(local)
+    old_nodes = log2local[np.arange(nodes)[:, None], prev.reshape(nodes, -1)]
+    old_nodes = old_nodes.reshape(nodes, g_per_node, per_gpu)
+    w_nodes = w[node_experts]
+    # the most loaded node under the old plan first (a GPU holding another node's expert: inf)
+    held = old_nodes >= 0
+    cnt = np.zeros((nodes, local), dtype=np.int64)
+    np.add.at(cnt, (np.nonzero(held)[0], old_nodes[held]), 1)
+    size = w_nodes / np.maximum(cnt, 1)
+    per_slot = np.take_along_axis(size, np.maximum(old_nodes, 0).reshape(nodes, -1), axis=1)
+    per_slot = np.where(held, per_slot.reshape(old_nodes.shape), np.inf)
+    stale = per_slot.sum(axis=2).max(axis=1) / target
+    order = np.lexsort((np.arange(nodes), -stale))
+    used = int(replan_nodes(w_nodes, old_nodes, node_experts, prev, order, target, budget, new))
+    return new, used
 
 
 def warmup() -> None:
-    """Compile :func:`replan_subproblem` and :func:`place_slots` (or load them from the disk
-    cache) on a tiny input."""
+    """Compile :func:`replan_nodes`, :func:`replan_subproblem` and :func:`place_slots` (or load
+    them from the disk cache) on a tiny input."""
     w = np.array([4.0, 3.0, 2.0, 1.0])
     old = np.array([[0, 1], [2, 3], [0, 1]], dtype=np.int64)
     out = np.empty_like(old)
     replan_subproblem.dispatcher(w, old, 4.0, 10, 16, out)
     placed = np.empty_like(old)
     place_slots.dispatcher(old, out, placed)
+    new = np.empty(old.size, dtype=np.int64)
+    experts = np.arange(4)[None, :]
+    order = np.zeros(1, dtype=np.int64)
+    replan_nodes.dispatcher(w[None, :], old[None], experts, old.ravel(), order, 4.0, 10, new)

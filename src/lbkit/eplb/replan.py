@@ -253,26 +253,31 @@ def replan_iv(
 
 def moves_list(prev: np.ndarray, new: np.ndarray, num_gpus: int, num_nodes: int) -> ExpertMoves:
     slots = prev.shape[1]
+    layers = prev.shape[0]
     per_gpu = slots // num_gpus
     gpus_per_node = num_gpus // max(num_nodes, 1)
     layer_idx, slot_idx = np.nonzero(prev != new)
-    src = np.full(len(slot_idx), -1, dtype=np.int64)
-    for k, (layer, s) in enumerate(zip(layer_idx.tolist(), slot_idx.tolist(), strict=True)):
-        e = new[layer, s]
-        old_gpus = np.unique(np.flatnonzero(prev[layer] == e) // per_gpu)
-        if len(old_gpus) == 0:
-            continue
-        keeps = np.isin(old_gpus, np.flatnonzero(new[layer] == e) // per_gpu)
-        dest_node = (s // per_gpu) // gpus_per_node
-        same = old_gpus // gpus_per_node == dest_node
-        src[k] = old_gpus[np.lexsort((old_gpus, ~same, ~keeps))[0]]
+    gpu_of_slot = np.arange(slots) // per_gpu
+    experts = int(max(prev.max(), new.max())) + 1 if prev.size else 1
+    held = np.zeros((layers, num_gpus, experts), dtype=bool)  # under the old plan
+    kept = np.zeros((layers, num_gpus, experts), dtype=bool)  # under the new plan
+    rows = np.repeat(np.arange(layers), slots)
+    held[rows, np.tile(gpu_of_slot, layers), prev.ravel()] = True
+    kept[rows, np.tile(gpu_of_slot, layers), new.ravel()] = True
+    e = new[layer_idx, slot_idx]
+    dest_node = gpu_of_slot[slot_idx] // gpus_per_node
+    same = (np.arange(num_gpus) // gpus_per_node)[None, :] == dest_node[:, None]
+    # the source: a GPU that held the expert; one that keeps it first, then one on the
+    # destination's node, then the lowest GPU (argmax takes the first of the largest)
+    rank = held[layer_idx, :, e] * (4 * kept[layer_idx, :, e] + 2 * same + 1)
+    src = np.where(rank.max(axis=1) > 0, rank.argmax(axis=1), -1) if len(e) else e.copy()
     return ExpertMoves(
         layer_idx.astype(np.int64),
         (slot_idx // per_gpu).astype(np.int64),
         slot_idx.astype(np.int64),
         new[layer_idx, slot_idx],
         prev[layer_idx, slot_idx],
-        src,
+        src.astype(np.int64),
     )
 
 
