@@ -347,3 +347,28 @@ def test_solve_chunk_one_ulp_steps_of_a_tiny_per_token_cost(m):
     c = cost.solve_chunk(budget, 0)
     assert cost.predict(c, 0) <= budget < cost.predict(c + 1, 0)
     assert c == max(x for x in range(8 * m + 8) if cost.predict(x, 0) <= budget)
+
+
+@given(
+    cost=costs,
+    prefix=st.integers(0, 10**6),
+    chunk=st.integers(1, 200_000),
+    nudge=st.sampled_from([-1, 0, 1]),
+)
+def test_solve_chunk_needs_no_bisection_for_realistic_costs(cost, prefix, chunk, nudge):
+    """The closed form and its few corrections are the solver for any realistic cost: the
+    bisection is only the safety net of tiny per-token costs. Budgets at a chunk's exact cost and
+    one ulp either side, where rounding decides."""
+
+    def no_bisection(*args, **kwargs):
+        raise AssertionError("solve_chunk fell back to the bisection")
+
+    exact = cost.predict(chunk, prefix)
+    budget = float(np.nextafter(exact, np.inf * nudge)) if nudge else exact
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(QuadraticCost, "_bisect_chunk", no_bisection)
+        c = cost.solve_chunk(budget, prefix)
+    assert cost.predict(c + 1, prefix) > budget
+    if c > 0:
+        assert cost.predict(c, prefix) <= budget
+    assert c == chunk or nudge or cost.predict(c, prefix) == budget
