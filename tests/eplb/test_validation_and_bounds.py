@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from hypothesis import given
+from hypothesis import strategies as st
 
 from lbkit.eplb import (
     METHODS,
@@ -125,6 +126,20 @@ def test_lower_bound_examples():
     assert lower_bound([[100.0, 1, 1, 1, 1]], 6, 1, 1, 3)[0] == pytest.approx(51 / (104 / 3))
     assert lower_bound(np.zeros((2, 4)), 4, 1, 1, 2).tolist() == [1.0, 1.0]
     assert lower_bound([[1.0, 1, 1, 1]], 4, 1, 1, 4)[0] == 1.0
+
+
+@given(
+    m=st.lists(st.sampled_from([0.5, 1.0, 1.5, 2.0, 3.0, 1e-3, 7.0]), min_size=1, max_size=40),
+    k=st.integers(1, 12),
+)
+def test_smallest_first_is_the_stable_sort_prefix(m, k):
+    """The slot bound's selection of the ``S - 1`` smallest replicas takes the same experts in
+    the same order as a stable sort (so the bound's sums are bit-identical to the sort's);
+    values from a small set, so ties are common."""
+    m = np.array(m)
+    out = np.empty(k, dtype=np.int64)
+    n = _bound_kernels._smallest_first(m, k, out)
+    assert out[:n].tolist() == np.argsort(m, kind="mergesort")[:k].tolist()
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -51,12 +51,36 @@ def _big_replica_feasible(w, r, num_phy, num_gpus, cap):
 
 
 @jit
+def _smallest_first(m, k, out):
+    """The ``min(k, len(m))`` first indices of ``m``'s stable ascending order (the prefix of
+    ``np.argsort(m, kind="mergesort")``) into ``out``, by insertion into a sorted buffer;
+    returns how many. O(E k) worst case, O(E) when the buffer rarely changes (``k`` is
+    ``S - 1``: small)."""
+    n = 0
+    if k <= 0:
+        return 0
+    for e in range(m.shape[0]):
+        x = m[e]
+        if n == k and not x < m[out[n - 1]]:
+            continue  # not below the k-th smallest: an equal later index comes after it
+        pos = n if n < k else k - 1
+        while pos > 0 and x < m[out[pos - 1]]:
+            out[pos] = out[pos - 1]
+            pos -= 1
+        out[pos] = e
+        if n < k:
+            n += 1
+    return n
+
+
+@jit
 def _slot_bound_feasible(w, num_phy, slots, cap):
     """Necessary condition for a plan with largest GPU load ``cap`` (see ``bounds.py``)."""
     num_log = w.shape[0]
     q = 0.0
     r = np.empty(num_log, dtype=np.int64)
     m = np.empty(num_log)
+    first = np.empty(max(slots - 1, 1), dtype=np.int64)
     for _ in range(200):
         room = cap - q
         if room <= 0.0:
@@ -78,11 +102,11 @@ def _slot_bound_feasible(w, num_phy, slots, cap):
         # Smallest possible replica of each expert and how many of them there can be.
         for e in range(num_log):
             m[e] = w[e] / (r[e] + spare)
-        order = np.argsort(m, kind="mergesort")
+        n_first = _smallest_first(m, slots - 1, first)
         need_items = slots - 1
         q_new = 0.0
-        for k in range(num_log):
-            e = order[k]
+        for k in range(n_first):
+            e = first[k]
             take = r[e] + spare
             if take > need_items:
                 take = need_items
