@@ -310,3 +310,53 @@ def test_rebalance_experts_delegates_to_replan_with_a_previous_plan():
     np.testing.assert_array_equal(via_rebalance.phy2log, direct.plan.phy2log)
     with pytest.raises(ValueError, match="max_moves: applies only with previous_phy2log"):
         rebalance_experts(new_w, 48, 4, 2, 8, max_moves=4)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_level_search_re_plans_fewer_levels_and_stops_at_a_settled_choice(seed, monkeypatch):
+    """Global policy: the level search of the mean mode re-plans a subset of the twelve levels
+    of every layer, fewer in all; when it stops, the level chosen in every layer has both
+    neighbours re-planned (or skipped because a looser level's result already met them); and
+    the mean ``moe_lb`` is within the tolerance of a fresh plan's."""
+    from lbkit.eplb import _replan_candidates, _replan_choice
+    from lbkit.eplb.replan import replan_iv
+
+    rng = np.random.default_rng(seed)
+    w = rng.lognormal(0.0, 1.0, (6, 64)) * 100
+    old = rebalance_experts(w, 96, 1, 1, 16, policy="global").phy2log
+    w2 = drift(w, sigma=0.3, rng=seed + 1)
+    args = replan_iv(w2, old, 96, 1, 1, 16, "global", None, None, 0.01, 0.005, "mean")
+    calls: list[tuple[int, float]] = []
+    real = _replan_candidates.replan_one
+
+    def spy(a, ctx, layer, tol, budget):
+        calls.append((layer, tol))
+        return real(a, ctx, layer, tol, budget)
+
+    monkeypatch.setattr(_replan_choice, "replan_one", spy)
+    ctx = _replan_candidates.context(args)
+    cands = _replan_choice.mean_candidates(args, ctx, 0.01, args.budget)
+    levels = sorted({0.01 * f for f in _replan_choice._LEVELS}, reverse=True)
+    assert len(calls) == len(set(calls)) < 6 * len(levels)
+    cap = float(ctx.fresh_lb.sum()) * 1.01
+    choice, _ = _replan_choice._select_candidates(cands, cap)
+    total = 0.0
+    checked = 0
+    for layer, opts in enumerate(cands):
+        used, lb, row, _ = opts[int(choice[layer])]
+        total += lb
+        np.testing.assert_array_equal(brute_moves(old[layer : layer + 1], row[None], 16), [used])
+        done = {t: real(args, ctx, layer, t, 96) for (i, t) in calls if i == layer}
+        hit = [t for t, r in done.items() if r[1] == used and np.array_equal(r[0], row)]
+        if used == 0 or not hit:
+            continue  # the old row or the matched fresh plan
+        checked += 1
+        j = levels.index(hit[0])
+        for k in (j - 1, j + 1):
+            if 0 <= k < len(levels) and levels[k] not in done:
+                met = [t for t, r in done.items() if t > levels[k] and r[1] > 0]
+                assert any(
+                    done[t][3] <= ctx.fresh_lb[layer] * (1 + levels[k]) * (1 + 1e-12) for t in met
+                ), (layer, k)
+    assert total <= cap * (1 + 1e-12)
+    assert checked >= 3  # most layers take a re-planned level

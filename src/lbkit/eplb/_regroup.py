@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-__all__ = ["MAX_ASSIGNMENTS", "all_assignments", "choose_partition", "old_partition"]
+__all__ = ["MAX_ASSIGNMENTS", "all_assignments", "choose_partitions", "old_partition"]
 
 #: Group-to-node assignments enumerated exhaustively up to this many.
 MAX_ASSIGNMENTS = 50_000
@@ -77,36 +77,60 @@ def all_assignments(num_groups: int, num_nodes: int) -> np.ndarray | None:
     return _ASSIGNMENT_CACHE[key]
 
 
-def choose_partition(
-    group_load: np.ndarray, old: np.ndarray, num_nodes: int, regroup_tolerance: float
-) -> np.ndarray:
-    """Group-to-node assignment of one layer by the rule of the module docstring."""
-    if len(group_load) == num_nodes:  # one group per node: every assignment is as good
-        return old.copy()
-    cands = all_assignments(len(group_load), num_nodes)
-    if cands is None:  # exchanges of two groups from the old assignment, steepest descent
-        cands = [old.copy()]
-        cur = old.copy()
-        while True:
-            loads = np.bincount(cur, weights=group_load, minlength=num_nodes)
-            best, best_v = None, loads.max()
-            for a, b in itertools.combinations(range(len(cur)), 2):
-                if cur[a] == cur[b]:
-                    continue
-                trial = cur.copy()
-                trial[a], trial[b] = cur[b], cur[a]
-                v = np.bincount(trial, weights=group_load, minlength=num_nodes).max()
-                if v < best_v * (1 - 1e-12):
-                    best, best_v = trial, v
-            if best is None:
-                break
-            cur = best
-            cands.append(cur.copy())
-        cands = np.array(cands)
-    onehot = cands[:, :, None] == np.arange(num_nodes)[None, None, :]
-    node_load = np.einsum("akn,k->an", onehot, group_load)
-    top = node_load.max(axis=1)
+def _exchange_candidates(group_load: np.ndarray, old: np.ndarray, num_nodes: int) -> np.ndarray:
+    """The assignments reached from ``old`` by steepest descent over exchanges of two groups
+    (``old`` first), when there are too many to enumerate."""
+    cands = [old.copy()]
+    cur = old.copy()
+    while True:
+        loads = np.bincount(cur, weights=group_load, minlength=num_nodes)
+        best, best_v = None, loads.max()
+        for a, b in itertools.combinations(range(len(cur)), 2):
+            if cur[a] == cur[b]:
+                continue
+            trial = cur.copy()
+            trial[a], trial[b] = cur[b], cur[a]
+            v = np.bincount(trial, weights=group_load, minlength=num_nodes).max()
+            if v < best_v * (1 - 1e-12):
+                best, best_v = trial, v
+        if best is None:
+            break
+        cur = best
+        cands.append(cur.copy())
+    return np.array(cands)
+
+
+def _pick(cands: np.ndarray, top: np.ndarray, old: np.ndarray, regroup_tolerance: float):
+    """The rule of the module docstring over ``cands`` with largest node loads ``top``."""
     moved = (cands != old[None, :]).sum(axis=1)
     ok = top <= top.min() * (1.0 + regroup_tolerance) + 1e-12 * max(top.min(), 1.0)
     order = np.lexsort((np.arange(len(cands)), top, np.where(ok, moved, np.iinfo(np.int64).max)))
     return cands[order[0]]
+
+
+def choose_partitions(
+    group_load: np.ndarray, old: np.ndarray, num_nodes: int, regroup_tolerance: float
+) -> np.ndarray:
+    """Group-to-node assignment of every layer by the rule of the module docstring.
+
+    ``group_load`` and ``old`` are ``(layers, groups)``; returns ``(layers, groups)``. The node
+    loads of every enumerated assignment are summed for all layers at once (one ``einsum``,
+    which sums each node's groups in the same order for every layer).
+    """
+    layers, num_groups = group_load.shape
+    if num_groups == num_nodes:  # one group per node: every assignment is as good
+        return old.copy()
+    cands = all_assignments(num_groups, num_nodes)
+    out = np.empty_like(old)
+    if cands is None:
+        for i in range(layers):
+            mine = _exchange_candidates(group_load[i], old[i], num_nodes)
+            onehot = mine[:, :, None] == np.arange(num_nodes)[None, None, :]
+            top = np.einsum("akn,lk->lan", onehot, group_load[i : i + 1]).max(axis=2)[0]
+            out[i] = _pick(mine, top, old[i], regroup_tolerance)
+        return out
+    onehot = cands[:, :, None] == np.arange(num_nodes)[None, None, :]
+    top = np.einsum("akn,lk->lan", onehot, group_load).max(axis=2)  # (layers, assignments)
+    for i in range(layers):
+        out[i] = _pick(cands, top[i], old[i], regroup_tolerance)
+    return out

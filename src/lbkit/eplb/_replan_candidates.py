@@ -8,8 +8,14 @@ from typing import NamedTuple
 
 import numpy as np
 
-from lbkit.eplb._regroup import choose_partition, old_partition
-from lbkit.eplb._replan_layer import ReplanArgs, place_slots, replan_layer
+from lbkit.eplb._regroup import choose_partitions, old_partition
+from lbkit.eplb._replan_layer import (
+    LayerSetup,
+    ReplanArgs,
+    layer_setup,
+    place_slots,
+    replan_layer,
+)
 from lbkit.eplb.balanced import balanced_rebalance
 from lbkit.eplb.bounds import lower_bound, moe_lb
 
@@ -18,9 +24,9 @@ __all__ = [
     "Context",
     "context",
     "matched_fresh",
-    "mean_candidates",
     "regrouped",
     "replan_all",
+    "replan_one",
     "row_lb",
 ]
 
@@ -58,7 +64,7 @@ class Context(NamedTuple):
     fresh_lb: np.ndarray  # (layers,) its moe_lb
     fresh_max: np.ndarray  # (layers,) its largest GPU load
     old_lb: np.ndarray  # (layers,) moe_lb of the old plan under the new loads
-    memo: dict[tuple, tuple]  # _replan_one's results, and the old rows' moe_lb
+    memo: dict[tuple, tuple]  # replan_one's results, the old rows' moe_lb, the layer setups
 
 
 def context(args: ReplanArgs) -> Context:
@@ -69,13 +75,8 @@ def context(args: ReplanArgs) -> Context:
     if p.hierarchical:
         old_parts = old_partition(prev, experts, args.num_groups, args.num_nodes)
         group_load = w.reshape(layers, args.num_groups, -1).sum(axis=2)
-        partitions = np.array(
-            [
-                choose_partition(
-                    group_load[i], old_parts[i], args.num_nodes, args.regroup_tolerance
-                )
-                for i in range(layers)
-            ]
+        partitions = choose_partitions(
+            group_load, old_parts, args.num_nodes, args.regroup_tolerance
         )
     policy = "hierarchical" if p.hierarchical else "global"
     fresh = balanced_rebalance(
@@ -118,7 +119,7 @@ def _row_max(w: np.ndarray, row: np.ndarray, num_gpus: int) -> float:
     return float((w[row] / cnt[row]).reshape(num_gpus, -1).sum(axis=1).max())
 
 
-def _replan_one(
+def replan_one(
     args: ReplanArgs, ctx: Context, layer: int, tol: float, budget: int
 ) -> tuple[np.ndarray, int, bool, float]:
     """Re-plan one layer at per-layer tolerance ``tol``: ``(row, moves, regrouped, moe_lb of
@@ -136,6 +137,15 @@ def _replan_one(
     return row.copy(), used, regrouped, lb
 
 
+def _setup(args: ReplanArgs, ctx: Context, layer: int, part: np.ndarray | None) -> LayerSetup:
+    """:func:`layer_setup` of one layer under partition ``part``, memoised in ``ctx.memo`` (every
+    tolerance of the layer re-plans from the same cut)."""
+    key = ("setup", layer, None if part is None else part.tobytes())
+    if key not in ctx.memo:
+        ctx.memo[key] = layer_setup(args.problem.weight[layer], args.previous[layer], part, args)
+    return ctx.memo[key]
+
+
 def _replan_one_uncached(
     args: ReplanArgs, ctx: Context, layer: int, tol: float, budget: int
 ) -> tuple[np.ndarray, int, bool, float | None]:
@@ -145,10 +155,12 @@ def _replan_one_uncached(
     if ctx.old_lb[layer] <= ctx.fresh_lb[layer] * (1.0 + tol):
         return prev.copy(), 0, False, None  # as good as a fresh plan: nothing to move
     part = None if ctx.partitions is None else ctx.partitions[layer]
-    row, used = replan_layer(w, prev, part, ctx.bounds[layer], fresh_max, args, tol, budget)
+    setup = _setup(args, ctx, layer, part)
+    row, used = replan_layer(setup, prev, ctx.bounds[layer], fresh_max, tol, budget)
     if used > budget and part is not None:
         part = ctx.old_parts[layer]
-        row, used = replan_layer(w, prev, part, ctx.old_bounds[layer], fresh_max, args, tol, budget)
+        setup = _setup(args, ctx, layer, part)
+        row, used = replan_layer(setup, prev, ctx.old_bounds[layer], fresh_max, tol, budget)
     if used > budget:
         row, used = prev.copy(), 0
     if part is not None and not np.array_equal(part, ctx.fresh_parts[layer]):
@@ -156,9 +168,8 @@ def _replan_one_uncached(
         lb_row = _row_max(w, row, p.num_gpus)
         if lb_row > fresh_max * (1.0 + tol) * (1.0 + 1e-9):
             fp = ctx.fresh_parts[layer]
-            row2, used2 = replan_layer(
-                w, prev, fp, ctx.fresh_bounds[layer], fresh_max, args, tol, budget
-            )
+            setup = _setup(args, ctx, layer, fp)
+            row2, used2 = replan_layer(setup, prev, ctx.fresh_bounds[layer], fresh_max, tol, budget)
             if used2 <= budget and _row_max(w, row2, p.num_gpus) < lb_row * (1.0 - tol):
                 row, used, part = row2, used2, fp
     # Never worse than keeping the old plan, and strictly better if anything moves.
@@ -180,7 +191,7 @@ def replan_all(
     moves = np.zeros(layers, dtype=np.int64)
     regrouped = np.zeros(layers, dtype=bool)
     for layer in range(layers):
-        phy2log[layer], moves[layer], regrouped[layer], _ = _replan_one(
+        phy2log[layer], moves[layer], regrouped[layer], _ = replan_one(
             args, ctx, layer, args.tolerance, int(budgets[layer])
         )
     return phy2log, moves, regrouped
@@ -232,43 +243,5 @@ def matched_fresh(prev: np.ndarray, fresh: np.ndarray, args: ReplanArgs) -> tupl
     return row, moves
 
 
-#: Per-layer tolerances tried in the mean mode, as multiples of ``tolerance``. A layer's moves
-#: fall in steps as its tolerance loosens, and the choice over layers can only use the steps it
-#: is shown: twelve levels instead of five (0.5, 0.75, 1, 1.4, 2) cut the moves by 2-4% (288
-#: slots / 32 GPUs, drift 0.05-0.1, seeds 1-5) for about twice the time.
-_LEVELS = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.2, 1.3, 1.4, 1.6, 2.0)
-
 #: One candidate of one layer: ``(moves, moe_lb, phy2log row, regrouped)``.
 Candidate = tuple[int, float, np.ndarray, bool]
-
-
-def mean_candidates(
-    args: ReplanArgs, ctx: Context, tolerance: float, budgets: np.ndarray
-) -> list[list[Candidate]]:
-    """Candidates of every layer in the mean mode at ``tolerance`` (module docstring): the old
-    row first, the matched fresh plan, then the re-plans at the per-layer levels."""
-    p = args.problem
-    prev = args.previous
-    layers = prev.shape[0]
-    levels = sorted({tolerance * f for f in _LEVELS}, reverse=True)  # loose first
-    cands: list[list[Candidate]] = []
-    for layer in range(layers):
-        budget = int(budgets[layer])
-        w = p.weight[layer]
-        opts: list[Candidate] = [(0, float(ctx.old_lb[layer]), prev[layer], False)]
-        if ctx.old_lb[layer] > ctx.fresh_lb[layer] * (1.0 + min(levels)):
-            row, used = matched_fresh(prev[layer], ctx.fresh[layer], args)
-            if used <= budget:
-                f_lb = row_lb(w, row, p.num_gpus)
-                old_part = None if ctx.old_parts is None else ctx.old_parts[layer]
-                opts.append((used, f_lb, row, regrouped(row, old_part, args)))
-        reached = np.inf
-        for tol in levels:
-            if reached <= ctx.fresh_lb[layer] * (1.0 + tol) * (1.0 + 1e-12):
-                continue  # a looser level's result already meets this one
-            row, used, regroup, v = _replan_one(args, ctx, layer, tol, budget)
-            reached = min(reached, v)
-            if used > 0:
-                opts.append((used, v, row, regroup))
-        cands.append(opts)
-    return cands

@@ -30,7 +30,9 @@ from lbkit.eplb._replan_local import local_search, reclaim
 
 __all__ = [
     "MAX_STEPS_PER_SLOT",
+    "LayerSetup",
     "ReplanArgs",
+    "layer_setup",
     "place_rows",
     "place_slots",
     "replan_layer",
@@ -439,35 +441,32 @@ def replan_nodes(w_nodes, old_nodes, node_experts, prev, order, target, budget, 
     return budget - left
 
 
-def replan_layer(
-    w: np.ndarray,
-    prev: np.ndarray,
-    node_of_group: np.ndarray | None,
-    node_bound: np.ndarray,
-    fresh_max: float,
-    args: ReplanArgs,
-    tol: float,
-    budget: int,
-) -> tuple[np.ndarray, int]:
-    """Re-plan one layer with the given partition at per-layer tolerance ``tol``; returns
-    ``(phy2log row, moves)``.
+class LayerSetup(NamedTuple):
+    """A layer cut into sub-problems for one group-to-node partition (:func:`layer_setup`):
+    what :func:`replan_nodes` takes besides the target and the budget."""
 
-    ``moves > budget`` means the budget cannot even pay for the replicas the partition forces.
-    """
+    w_nodes: np.ndarray  # (nodes, local experts) loads
+    old_nodes: np.ndarray  # (nodes, GPUs per node, S) old plan in local ids, -1: another node's
+    node_experts: np.ndarray  # (nodes, local experts) global ids
+    order: np.ndarray  # (nodes,) the order the nodes are re-planned in
+
+
+def layer_setup(
+    w: np.ndarray, prev: np.ndarray, node_of_group: np.ndarray | None, args: ReplanArgs
+) -> LayerSetup:
+    """Cut one layer into its sub-problems: the layer itself under the global policy
+    (``node_of_group`` ``None``), else one per node, its groups in increasing order, the most
+    loaded node under the old plan first (a GPU holding another node's expert counts as
+    infinitely loaded). Independent of the target: a re-plan at several tolerances reuses it."""
     p = args.problem
     experts, slots = w.shape[0], p.num_replicas
     nodes = 1 if node_of_group is None else args.num_nodes
     g_per_node = p.num_gpus // nodes
     per_gpu = slots // p.num_gpus
-    target = max(float(node_bound.max()), fresh_max) * (1.0 + tol)
-    new = np.empty(slots, dtype=np.int64)
     if node_of_group is None:  # one sub-problem, the layer: no local ids, no order
         first = np.zeros(1, dtype=np.int64)
         old_nodes = prev.reshape(1, g_per_node, per_gpu)
-        all_experts = np.arange(experts)[None, :]
-        used = replan_nodes(w[None, :], old_nodes, all_experts, prev, first, target, budget, new)
-        return new, int(used)
-    # the groups of each node in increasing order, their experts in order
+        return LayerSetup(w[None, :], old_nodes, np.arange(experts)[None, :], first)
     group_size = experts // args.num_groups
     groups = np.argsort(node_of_group, kind="stable").reshape(nodes, -1)
     node_experts = (groups[:, :, None] * group_size + np.arange(group_size)).reshape(nodes, -1)
@@ -477,17 +476,35 @@ def replan_layer(
     old_nodes = log2local[np.arange(nodes)[:, None], prev.reshape(nodes, -1)]
     old_nodes = old_nodes.reshape(nodes, g_per_node, per_gpu)
     w_nodes = w[node_experts]
-    # the most loaded node under the old plan first (a GPU holding another node's expert: inf)
     held = old_nodes >= 0
     cnt = np.zeros((nodes, local), dtype=np.int64)
     np.add.at(cnt, (np.nonzero(held)[0], old_nodes[held]), 1)
     size = w_nodes / np.maximum(cnt, 1)
     per_slot = np.take_along_axis(size, np.maximum(old_nodes, 0).reshape(nodes, -1), axis=1)
     per_slot = np.where(held, per_slot.reshape(old_nodes.shape), np.inf)
-    stale = per_slot.sum(axis=2).max(axis=1) / target
+    stale = per_slot.sum(axis=2).max(axis=1)
     order = np.lexsort((np.arange(nodes), -stale))
-    used = int(replan_nodes(w_nodes, old_nodes, node_experts, prev, order, target, budget, new))
-    return new, used
+    return LayerSetup(w_nodes, old_nodes, node_experts, order)
+
+
+def replan_layer(
+    setup: LayerSetup,
+    prev: np.ndarray,
+    node_bound: np.ndarray,
+    fresh_max: float,
+    tol: float,
+    budget: int,
+) -> tuple[np.ndarray, int]:
+    """Re-plan one layer, cut by ``setup`` (:func:`layer_setup`), at per-layer tolerance
+    ``tol``; returns ``(phy2log row, moves)``.
+
+    ``moves > budget`` means the budget cannot even pay for the replicas the partition forces.
+    """
+    target = max(float(node_bound.max()), fresh_max) * (1.0 + tol)
+    new = np.empty(prev.shape[0], dtype=np.int64)
+    w_nodes, old_nodes, node_experts, order = setup
+    used = replan_nodes(w_nodes, old_nodes, node_experts, prev, order, target, budget, new)
+    return new, int(used)
 
 
 def warmup() -> None:

@@ -9,16 +9,21 @@ in the old one, counted with multiplicity per ``(layer, GPU, expert)``:
 The position of a replica among a GPU's slots is free: unchanged replicas keep their slots.
 
 **Tolerance** (``tolerance_scope``). ``"mean"`` (default): the mean ``moe_lb`` over layers may be at
-most ``1 + tolerance`` times that of a fresh default plan for the new loads. Every layer is
-re-planned at twelve per-layer tolerances ``t = (0.5, 0.6, ..., 1.4, 1.6, 2) * tolerance`` (a
-tighter one is skipped when a looser one already reached it); the candidates of a layer are these
-results, the old plan (zero moves) and the fresh plan with its GPUs (and nodes) relabelled to keep
-the most replicas in place (an assignment problem). One candidate per layer is chosen exactly (a
-dynamic programme over the total moves, a multiple-choice knapsack): the fewest total moves such
-that the mean ``moe_lb`` stays within the tolerance, then the lowest mean. Layers where balance is
-cheap take a tight result, layers where it costs many moves a loose one. The fresh plan makes the
-mean target always reachable when the budgets allow it. ``"layer"``: every layer is re-planned
-once at ``t = tolerance``.
+most ``1 + tolerance`` times that of a fresh default plan for the new loads. A layer is
+re-planned at per-layer tolerances from the twelve levels ``t = (0.5, 0.6, ..., 1.4, 1.6, 2) *
+tolerance`` (a tighter one is skipped when a looser one already reached it); the candidates of a
+layer are these results, the old plan (zero moves) and the fresh plan with its GPUs (and nodes)
+relabelled to keep the most replicas in place (an assignment problem). One candidate per layer is
+chosen exactly (a dynamic programme over the total moves, a multiple-choice knapsack): the fewest
+total moves such that the mean ``moe_lb`` stays within the tolerance, then the lowest mean. Layers
+where balance is cheap take a tight result, layers where it costs many moves a loose one. The
+fresh plan makes the mean target always reachable when the budgets allow it. Under the
+hierarchical policy every level of every layer is re-planned. Under the global policy, where one
+level's re-plan of a layer costs far more than the choice, a **level search** re-plans the
+levels ``(2, 1.2, 0.8) * tolerance`` first, then repeats the choice, each time re-planning the two
+levels next to the one chosen in every layer, until a choice adds none: about half of the levels,
+the tight and slow ones mostly where the choice wants them (``_replan_choice.mean_candidates``).
+``"layer"``: every layer is re-planned once at ``t = tolerance``.
 
 Per sub-problem (a layer under the global policy, a node of a layer under the hierarchical one)
 and per-layer tolerance ``t``, with a target largest GPU load ``T = (1 + t) * max(bound, fresh)``
@@ -359,8 +364,9 @@ def replan_experts(
     8)) for ``U <= G × S + 8`` steps of each search (excess descent, local search, give-back;
     only where the cycles fall short, ``H`` GPUs above the target); times up to twelve per-layer
     tolerances in the mean scope, plus the fresh plan, the lower bound and O(layers × 14 ×
-    total moves) for the choice; with ``max_moves_total``, the mean scope twice (at
-    ``tolerance`` and the default) plus about ``log1.5(moves per layer)`` times the layer scope.
+    total moves) for the choice (up to twelve times with the level search); with
+    ``max_moves_total``, the mean scope twice (at ``tolerance`` and the default) plus about
+    ``log1.5(moves per layer)`` times the layer scope.
 
     Examples
     --------
