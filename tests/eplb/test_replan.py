@@ -120,6 +120,42 @@ def test_select_is_the_exact_fewest_moves_choice(data):
         assert got[1] == pytest.approx(want[1], rel=1e-12)
 
 
+@given(st.data())
+def test_select_equals_the_programme_over_every_total(data):
+    """The Lagrangian range cut of :func:`select` changes nothing: the same choice, index for
+    index, as the dynamic programme over every total, with and without a total limit, for caps
+    that fit, that only the most balanced choice meets and that nothing meets."""
+    from lbkit.eplb import _replan_choice
+
+    layers = data.draw(st.integers(1, 12))
+    width = data.draw(st.integers(1, 6))
+    size = layers * width
+    moves = np.array(data.draw(st.lists(st.integers(0, 40), min_size=size, max_size=size)))
+    moves = moves.reshape(layers, width)
+    moves[:, 0] = 0
+    lb = np.array(
+        data.draw(
+            st.lists(
+                st.sampled_from([1.0, 1.01, 1.02, 1.05, 1.1, 1.3]), min_size=size, max_size=size
+            )
+        )
+    ).reshape(layers, width)
+    missing = np.array(data.draw(st.lists(st.booleans(), min_size=size, max_size=size)))
+    missing = missing.reshape(layers, width)
+    missing[:, 0] = False
+    lb[missing] = np.inf
+    finite = np.where(np.isfinite(lb), lb, np.nan)
+    lowest = float(np.nanmin(finite, axis=1).sum())
+    cap = data.draw(st.sampled_from([lowest * 0.999, lowest, lowest * 1.01, lowest * 1.2]))
+    limit = data.draw(st.none() | st.integers(0, 40 * layers))
+    got = select(moves, lb, cap, limit)
+    ok = np.isfinite(lb) & (moves <= (limit if limit is not None else np.inf))
+    top = int(np.where(ok, moves, 0).max(axis=1).sum())
+    top = top if limit is None else min(top, limit)
+    want = _replan_choice._programme(moves, lb, ok, cap, top, require_fit=False)
+    assert got.tolist() == want.tolist()
+
+
 def test_layer_scope_aims_every_layer_at_the_tolerance():
     """``tolerance_scope="layer"`` re-plans each layer to within the tolerance on its own; the
     mean scope spends the same mean gap where it saves moves (never more moves here)."""

@@ -25,6 +25,39 @@ __all__ = ["DEFAULT_TOLERANCE", "mean_candidates", "replan_mean", "replan_total"
 DEFAULT_TOLERANCE = 0.01
 
 
+def _feasible_moves(m: np.ndarray, lb: np.ndarray, ok: np.ndarray, cap: float) -> int | None:
+    """Total moves of some choice with ``sum(lb) <= cap`` found by bisection on a Lagrange
+    multiplier (each layer takes the candidate minimising ``moves + lam * lb``), or ``None``
+    when even the most balanced choice does not fit. An upper bound on the fewest total moves
+    that fit, which caps the range of :func:`select`'s dynamic programme."""
+    layers = lb.shape[0]
+    rows = np.arange(layers)
+    lbv = np.where(ok, lb, 0.0)
+
+    def choose(lam: float) -> tuple[int, float]:
+        cost = np.where(ok, m + lam * lbv, np.inf)
+        c = np.argmin(cost, axis=1)
+        total = 0.0
+        for v in lbv[rows, c].tolist():  # summed in layer order, as the programme does
+            total += v
+        return int(m[rows, c].sum()), total
+
+    lo, hi = 0.0, 1e18
+    moves, total = choose(hi)
+    if total > cap:
+        return None
+    for _ in range(64):  # geometric bisection: the fitting multipliers form a half-line
+        mid = np.sqrt(max(lo, 1e-9) * hi)
+        got = choose(mid)
+        if got[1] <= cap:
+            hi, (moves, total) = mid, got
+        else:
+            lo = mid
+        if hi <= lo * 1.01:
+            break
+    return moves
+
+
 def select(moves: np.ndarray, lb: np.ndarray, cap: float, limit: int | None = None) -> np.ndarray:
     """Exact choice of one candidate per layer with at most ``limit`` total moves (default: no
     limit): the fewest total moves such that ``sum(lb) <= cap``, then the smallest ``sum(lb)``;
@@ -32,17 +65,35 @@ def select(moves: np.ndarray, lb: np.ndarray, cap: float, limit: int | None = No
     and ``lb`` are ``(layers, C)``; ``lb = inf`` marks a missing candidate, and some candidate
     of every layer must have at most ``limit`` moves (column 0 has zero moves in every
     caller). Dynamic programme over the total moves (a multiple-choice knapsack); ties: lowest
-    candidate index.
+    candidate index. The programme runs up to the total moves of a fitting choice found by a
+    Lagrangian bisection (:func:`_feasible_moves`), the answer's upper bound, and over every
+    total only when that range holds no fitting total.
 
-    Runtime complexity: O(layers × C × min(limit, total moves of the largest candidates)).
+    Runtime complexity: O(layers × C × min(limit, moves of a fitting choice)), at most
+    O(layers × C × min(limit, total moves of the largest candidates)).
     """
-    layers, width = lb.shape
     ok = np.isfinite(lb)
     m = np.where(ok, moves, 0).astype(np.int64)
     top = int(np.where(ok, m, 0).max(axis=1).sum())
     if limit is not None:
         ok &= m <= limit
         top = min(top, int(limit))
+    bound = _feasible_moves(m, lb, ok, cap)
+    if bound is not None and bound < top:
+        choice = _programme(m, lb, ok, cap, bound, require_fit=True)
+        if choice is not None:
+            return choice
+    return _programme(m, lb, ok, cap, top, require_fit=False)
+
+
+def _programme(
+    m: np.ndarray, lb: np.ndarray, ok: np.ndarray, cap: float, top: int, require_fit: bool
+) -> np.ndarray | None:
+    """:func:`select`'s dynamic programme over totals ``0 .. top``; ``None`` when
+    ``require_fit`` and no total in that range fits ``cap``. ``best[t]`` depends only on
+    smaller totals, so a shorter range gives the same values and the same first fitting total.
+    """
+    layers, width = lb.shape
     best = np.zeros(top + 1)  # best[t]: smallest sum of lb with exactly t moves so far
     best[1:] = np.inf
     arg = np.zeros((layers, top + 1), dtype=np.int16)  # candidate index
@@ -53,10 +104,13 @@ def select(moves: np.ndarray, lb: np.ndarray, cap: float, limit: int | None = No
         for c in range(width):
             if ok[i, c]:
                 k = int(m[i, c])
-                cand[c, k:] = best[: top + 1 - k] + lb[i, c]
+                if k <= top:
+                    cand[c, k:] = best[: top + 1 - k] + lb[i, c]
         arg[i] = np.argmin(cand, axis=0)  # the first of the smallest: lowest candidate index
         best = cand[arg[i], cols]
     fits = np.flatnonzero(best <= cap)
+    if require_fit and not len(fits):
+        return None
     t = int(fits[0]) if len(fits) else int(np.argmin(best))
     choice = np.empty(layers, dtype=np.int64)
     for i in range(layers - 1, -1, -1):
