@@ -21,8 +21,8 @@ fresh plan makes the mean target always reachable when the budgets allow it. Und
 hierarchical policy every level of every layer is re-planned. Under the global policy, where one
 level's re-plan of a layer costs far more than the choice, a **level search** re-plans the
 levels ``(2, 1.2, 0.8) * tolerance`` first, then repeats the choice, each time re-planning the two
-levels next to the one chosen in every layer, until a choice adds none: about half of the levels,
-the tight and slow ones mostly where the choice wants them (``_replan_choice.mean_candidates``).
+levels on each side of the one chosen in every layer, until a choice adds none: the tight and
+slow levels mostly where the choice wants them (``_replan_choice.mean_candidates``).
 ``"layer"``: every layer is re-planned once at ``t = tolerance``.
 
 Per sub-problem (a layer under the global policy, a node of a layer under the hierarchical one)
