@@ -9,7 +9,8 @@ the first 6,000 requests of the built-in workload; no cache, one global cache, p
 (:func:`lbkit.sim.goodput_bench.prefill_goodput`, bisection to 1%) and its ratio to the
 default pair's. The Azure trace has no block hashes: it runs without a cache only.
 
-Run: ``python benchmarks/lockstep_weights.py [--json PATH] [--weights 0.6/0.1,1.5/0.1]``
+Run: ``python benchmarks/lockstep_weights.py [--json PATH] [--weights 0.6/0.1,1.5/0.1]
+[--seed N]`` (``--seed``: the simulator's seed and the built-in workload's draw, default 0)
 (about an hour on 2 cores; prints a note and measures only the built-in workload without the
 traces in ``../shared/traces``).
 """
@@ -78,7 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", type=Path, metavar="PATH", help="write the table here")
     ap.add_argument("--weights", metavar="LIST", help="BUSY/IDLE pairs, the default first")
+    ap.add_argument("--seed", type=int, default=OPTIONS.seed, help="simulator and workload seed")
     args = ap.parse_args(argv)
+    seed = args.seed
     weights = _weights(args.weights)
     start = time.perf_counter()
     out = {
@@ -91,13 +94,13 @@ def main(argv: list[str] | None = None) -> int:
     for trace_name, cache, start_rate in SCENARIOS:
         rel = PUBLIC_TRACES[trace_name]
         if rel is None:
-            trace = default_workload(rng=OPTIONS.seed).head(WORKLOAD_REQUESTS)
+            trace = default_workload(rng=seed).head(WORKLOAD_REQUESTS)
         elif (TRACES / rel).exists():
             trace = load_bench_trace(TRACES / rel)
         else:
             print(f"note: {TRACES / rel} not found; {trace_name} skipped", file=sys.stderr)
             continue
-        opts = dataclasses.replace(OPTIONS, cache=cache)
+        opts = dataclasses.replace(OPTIONS, cache=cache, seed=seed)
         trace = prepare_cache(trace, cache)
         hook = local_caches(opts.pools.num_prefill_ranks) if cache == "local" else None
         base = None
@@ -114,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         "note": (
             "lbkit's default prefill policy (with the engines' step reports) with the growth "
             "weights of busy and idle engines given; goodput at SLO as in the goodput tables "
-            "(8 x 8 prefill ranks, h800_dsv3, default SLO, seed 0; the built-in workload's "
+            f"(8 x 8 prefill ranks, h800_dsv3, default SLO, seed {seed}; the built-in workload's "
             f"first {WORKLOAD_REQUESTS:,} requests). 'vs default': against the first pair, "
             f"{weights[0][0]}/{weights[0][1]}, the balancer's default."
         ),
