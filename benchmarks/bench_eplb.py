@@ -5,11 +5,9 @@ and the lower bound for the docs generator."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import numpy as np
 import pytest
+from benchmarks.run_record import deepseek_eplb
 
 import lbkit
 from lbkit.eplb import METHODS, lower_bound, moe_lb, rebalance_experts
@@ -57,13 +55,9 @@ def bench_rebalance_experts(benchmark, method, shape):
 
 @pytest.mark.parametrize("shape", SHAPES, ids=_id)
 def bench_deepseek_reference(benchmark, shape):
-    path = os.environ.get("LBKIT_DEEPSEEK_EPLB")
-    if not path:
-        pytest.skip("LBKIT_DEEPSEEK_EPLB is not set")
-    torch = pytest.importorskip("torch")
-    spec = importlib.util.spec_from_file_location("deepseek_eplb", path)
-    ds = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ds)
+    ds, torch = deepseek_eplb()
+    if ds is None:
+        pytest.skip("LBKIT_DEEPSEEK_EPLB is not set, or torch is missing")
     slots, gpus, nodes, policy = shape
     weight = _weight()
     groups, n = (8, nodes) if policy == "hierarchical" else (1, 1)

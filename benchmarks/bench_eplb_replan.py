@@ -17,41 +17,21 @@ from one run (``pytest benchmarks/bench_eplb_replan.py --benchmark-enable``). JI
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-from pathlib import Path
-
 import numpy as np
 import pytest
+from benchmarks.run_record import REPLAN_SHAPES, deepseek_eplb, replan_loads
 
 import lbkit
-from lbkit.eplb import drift, moe_lb, rebalance_experts, synthetic_expert_load
+from lbkit.eplb import moe_lb, rebalance_experts
 from lbkit.eplb.replan import replan_experts
 from lbkit.eplb.scheduler import EplbScheduler
 
-TRACE = (
-    Path(__file__).resolve().parents[1]
-    / ".."
-    / "shared"
-    / "traces"
-    / "moe_expert_load_deepseek_v3"
-    / "prefill_in1024.json"
-)
-SHAPES = [  # (slots, gpus, nodes, policy)
-    (288, 32, 4, "global"),
-    (288, 32, 4, "hierarchical"),
-    (320, 64, 8, "global"),
-    (320, 64, 8, "hierarchical"),
-]
+SHAPES = REPLAN_SHAPES
 
 
 def _loads() -> tuple[np.ndarray, np.ndarray]:
-    if TRACE.is_file():
-        w0 = np.array(json.loads(TRACE.read_text())["logical_count"], dtype=np.float64)[3:]
-    else:
-        w0 = synthetic_expert_load(58, 256, sigma=1.0, rng=0)
-    return w0, drift(w0, sigma=0.1, rng=1)
+    w0, w1, _ = replan_loads()
+    return w0, w1
 
 
 def _id(shape) -> str:
@@ -112,13 +92,9 @@ def bench_lbkit_fresh(benchmark, shape):
 
 @pytest.mark.parametrize("shape", SHAPES, ids=_id)
 def bench_deepseek_fresh(benchmark, shape):
-    path = os.environ.get("LBKIT_DEEPSEEK_EPLB")
-    if not path:
-        pytest.skip("LBKIT_DEEPSEEK_EPLB is not set")
-    torch = pytest.importorskip("torch")
-    spec = importlib.util.spec_from_file_location("deepseek_eplb", path)
-    ds = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ds)
+    ds, torch = deepseek_eplb()
+    if ds is None:
+        pytest.skip("LBKIT_DEEPSEEK_EPLB is not set, or torch is missing")
     w1, _, slots, nodes, gpus, policy = _case(shape)
     groups, n = (8, nodes) if policy == "hierarchical" else (1, 1)
     benchmark.group = f"replan|{_id(shape)}"

@@ -15,7 +15,8 @@ Run: ``python benchmarks/eplb_move_ratio.py [--json out.json]``.
 from __future__ import annotations
 
 import argparse
-import json
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -26,8 +27,10 @@ from lbkit.eplb.replan import replan_experts
 
 try:
     from eplb_drift import fixed_count_bound
+    from run_record import ROOT, git_commit, load_avg, write_results
 except ImportError:  # run from the repository root
     from benchmarks.eplb_drift import fixed_count_bound
+    from benchmarks.run_record import ROOT, git_commit, load_avg, write_results
 
 SHAPES = [(288, 32, 4), (320, 64, 8)]
 DRIFTS = (0.05, 0.1, 0.3)
@@ -62,6 +65,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", help="write the table to this file")
     a = ap.parse_args()
+    start = time.perf_counter()
+    out = {
+        "command": " ".join(["python", "benchmarks/eplb_move_ratio.py", *sys.argv[1:]]),
+        "commit": git_commit(ROOT),
+        "load_avg_start": load_avg(),
+    }
     lbkit.warmup(packages=("eplb",))
     rows = []
     for slots, gpus, nodes in SHAPES:
@@ -89,8 +98,8 @@ def main() -> None:
         ],
         "rows": rows,
     }
-    if a.json:
-        Path(a.json).write_text(json.dumps({"tables": [table]}, indent=1) + "\n")
+    out["tables"] = [table]
+    write_results(out, Path(a.json) if a.json else None, start)
 
 
 if __name__ == "__main__":

@@ -16,56 +16,25 @@ Run: ``LBKIT_DEEPSEEK_EPLB=/path/to/eplb.py python benchmarks/eplb_replan_speed.
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import json
-import os
+import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 import lbkit
-from lbkit.eplb import drift, moe_lb, rebalance_experts, synthetic_expert_load
+from lbkit.eplb import moe_lb, rebalance_experts
 from lbkit.eplb.replan import replan_experts
-
-TRACE = (
-    Path(__file__).resolve().parents[1]
-    / ".."
-    / "shared"
-    / "traces"
-    / "moe_expert_load_deepseek_v3"
-    / "prefill_in1024.json"
+from run_record import (
+    REPLAN_SHAPES,
+    ROOT,
+    deepseek_eplb,
+    git_commit,
+    load_avg,
+    replan_loads,
+    write_results,
 )
-SHAPES = [  # (slots, gpus, nodes, policy)
-    (288, 32, 4, "global"),
-    (288, 32, 4, "hierarchical"),
-    (320, 64, 8, "global"),
-    (320, 64, 8, "hierarchical"),
-]
+
 #: Largest ratio of re-plan time to DeepSeek's fresh-plan time that issue 14 asks for.
 TARGET_RATIO = 0.25
-
-
-def loads() -> tuple[np.ndarray, np.ndarray, str]:
-    if TRACE.is_file():
-        w0 = np.array(json.loads(TRACE.read_text())["logical_count"], dtype=np.float64)[3:]
-        name = "trace prefill_in1024"
-    else:
-        w0 = synthetic_expert_load(58, 256, sigma=1.0, rng=0)
-        name = "lognormal"
-    return w0, drift(w0, sigma=0.1, rng=1), name
-
-
-def deepseek():
-    path = os.environ.get("LBKIT_DEEPSEEK_EPLB")
-    if not path:
-        return None, None
-    import torch
-
-    spec = importlib.util.spec_from_file_location("deepseek_eplb", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module, torch
 
 
 def timed(func, *args, **kwargs):
@@ -81,11 +50,17 @@ def main() -> None:
     a = ap.parse_args()
     if a.rounds < 1:
         ap.error("--rounds: must be at least 1")
+    start = time.perf_counter()
+    out = {
+        "command": " ".join(["python", "benchmarks/eplb_replan_speed.py", *sys.argv[1:]]),
+        "commit": git_commit(ROOT),
+        "load_avg_start": load_avg(),
+    }
     lbkit.warmup(packages=("eplb",))
-    ds, torch = deepseek()
-    w0, w1, name = loads()
+    ds, torch = deepseek_eplb()
+    w0, w1, name = replan_loads()
     rows = []
-    for slots, gpus, nodes, policy in SHAPES:
+    for slots, gpus, nodes, policy in REPLAN_SHAPES:
         old = rebalance_experts(w0, slots, 8, nodes, gpus, policy=policy).phy2log
         fresh = rebalance_experts(w1, slots, 8, nodes, gpus, policy=policy).phy2log
         ours, theirs = [], []
@@ -140,8 +115,8 @@ def main() -> None:
         ],
         "rows": rows,
     }
-    if a.json:
-        Path(a.json).write_text(json.dumps({"tables": [table]}, indent=1) + "\n")
+    out["tables"] = [table]
+    write_results(out, Path(a.json) if a.json else None, start)
 
 
 if __name__ == "__main__":

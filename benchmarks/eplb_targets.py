@@ -26,10 +26,8 @@ figures: ``python benchmarks/eplb_targets.py --only-exact --exact-layers 58 --ex
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import itertools
 import json
-import os
 import time
 from pathlib import Path
 
@@ -37,6 +35,7 @@ import numpy as np
 
 import lbkit
 from lbkit.eplb import lower_bound, moe_lb, rebalance_experts
+from run_record import deepseek_eplb
 
 TRACES = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces"
 TRACE_DIR = TRACES / "moe_expert_load_deepseek_v3"
@@ -285,18 +284,9 @@ def section_hier(rng, quick, report):
 def section_time(rng, report):
     print("\n== plan time, 58 x 256, median of 5 (shared machine: noisy) ==")
     w = rng.lognormal(0, 1.0, (58, 256)) * 1000
-    ds = None
-    path = os.environ.get("LBKIT_DEEPSEEK_EPLB")
-    if path:
-        try:
-            import torch
-
-            torch.set_num_threads(1)
-            spec = importlib.util.spec_from_file_location("deepseek_eplb", path)
-            ds = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(ds)
-        except ImportError:
-            ds = None
+    ds, torch = deepseek_eplb()
+    if torch is not None:
+        torch.set_num_threads(1)
     rows = []
     for r, g, n, policy in [
         (320, 64, 8, "global"),

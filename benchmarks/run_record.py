@@ -15,12 +15,16 @@ from pathlib import Path
 
 __all__ = [
     "PUBLIC_TRACES",
+    "REPLAN_SHAPES",
+    "REPLAN_TRACE",
     "ROOT",
     "TRACES",
     "csv_names",
+    "deepseek_eplb",
     "git_commit",
     "load_avg",
     "log",
+    "replan_loads",
     "write_results",
 ]
 
@@ -34,6 +38,16 @@ PUBLIC_TRACES = {
     "azure": "azure_llm_2023_conv/AzureLLMInferenceTrace_conv.csv",
     "default": None,
 }
+
+#: DeepSeek-V3 expert loads (SGLang ``logical_count``) of the EPLB re-planning benchmarks.
+REPLAN_TRACE = TRACES / "moe_expert_load_deepseek_v3" / "prefill_in1024.json"
+#: (slots, GPUs, nodes, policy) of the EPLB re-planning benchmarks.
+REPLAN_SHAPES = (
+    (288, 32, 4, "global"),
+    (288, 32, 4, "hierarchical"),
+    (320, 64, 8, "global"),
+    (320, 64, 8, "hierarchical"),
+)
 
 
 def log(msg: str, start: float) -> None:
@@ -112,3 +126,40 @@ def write_results(out: dict, path: Path | None, start: float) -> None:
         path.write_text(text + "\n")
     else:
         print(text)
+
+
+def replan_loads():
+    """Loads of the EPLB re-planning benchmarks: ``(w0, w1, name)``, layers 3-60 of
+    :data:`REPLAN_TRACE` (lognormal loads with sigma 1, seed 0, without the trace directory) and
+    the same drifted by lognormal sigma 0.1 (seed 1)."""
+    import json
+
+    import numpy as np
+
+    from lbkit.eplb import drift, synthetic_expert_load
+
+    if REPLAN_TRACE.is_file():
+        w0 = np.array(json.loads(REPLAN_TRACE.read_text())["logical_count"], dtype=np.float64)
+        w0, name = w0[3:], "trace prefill_in1024"
+    else:
+        w0, name = synthetic_expert_load(58, 256, sigma=1.0, rng=0), "lognormal"
+    return w0, drift(w0, sigma=0.1, rng=1), name
+
+
+def deepseek_eplb():
+    """DeepSeek's reference ``eplb.py`` loaded from the file ``LBKIT_DEEPSEEK_EPLB`` names, and
+    torch: ``(module, torch)``, or ``(None, None)`` when the variable is unset or torch is
+    missing."""
+    import importlib.util
+
+    path = os.environ.get("LBKIT_DEEPSEEK_EPLB")
+    if not path:
+        return None, None
+    try:
+        import torch
+    except ImportError:
+        return None, None
+    spec = importlib.util.spec_from_file_location("deepseek_eplb", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module, torch
