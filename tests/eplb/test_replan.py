@@ -83,6 +83,21 @@ def test_mean_tolerance_bounds_the_mean_gap_to_a_fresh_plan(case, tol):
     assert np.array_equal(res.num_moves, brute_moves(old, res.plan.phy2log, g))
 
 
+@given(
+    replan_cases(),
+    st.sampled_from([{}, {"tolerance_scope": "layer"}, {"max_moves_total": 2, "tolerance": 0.001}]),
+)
+def test_threads_do_not_change_the_result(case, knobs):
+    """Layers re-planned on several threads give the plan of one thread, in every mode."""
+    w, old, r, k, n, g, policy = case
+    one = replan_experts(w, old, r, k, n, g, policy=policy, workers=1, **knobs)
+    for workers in (2, 3):
+        many = replan_experts(w, old, r, k, n, g, policy=policy, workers=workers, **knobs)
+        assert np.array_equal(many.plan.phy2log, one.plan.phy2log)
+        assert np.array_equal(many.num_moves, one.num_moves)
+        assert np.array_equal(many.regrouped, one.regrouped)
+
+
 @given(st.data())
 def test_select_is_the_exact_fewest_moves_choice(data):
     """The candidate choice against enumeration: fewest total moves with the sum of moe_lb
@@ -250,6 +265,8 @@ OLD = rebalance_experts(W, 8, 1, 1, 4).phy2log
         ({"tolerance": -0.1}, ValueError, "tolerance: must be >= 0"),
         ({"tolerance_scope": "max"}, ValueError, "tolerance_scope: must be one of"),
         ({"num_gpus": 3}, ValueError, "num_gpus: must divide"),
+        ({"workers": 0}, ValueError, "workers: must be >= 1"),
+        ({"workers": 1.5}, TypeError, "workers: must be an integer"),
     ],
 )
 def test_bad_input_names_the_rule(kwargs, error, match):

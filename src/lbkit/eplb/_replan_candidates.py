@@ -4,7 +4,10 @@ docstring states the rules)."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import os
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 
@@ -22,13 +25,40 @@ from lbkit.eplb.bounds import lower_bound, moe_lb
 __all__ = [
     "Candidate",
     "Context",
+    "available_cpus",
     "context",
+    "map_layers",
     "matched_fresh",
     "regrouped",
     "replan_all",
     "replan_one",
     "row_lb",
 ]
+
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on (its affinity where the platform reports one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)  # pragma: no cover - platforms without affinity
+
+
+def map_layers(args: ReplanArgs, func: Callable[[T], R], items: Iterable[T]) -> list[R]:
+    """``[func(x) for x in items]`` on ``args.workers`` threads, results in order.
+
+    ``func`` works on one layer: it reads the shared problem and context and writes only its
+    layer's entries of ``ctx.memo``, and the kernels it calls release the GIL; the results are
+    those of the loop in every order the threads may take.
+    """
+    items = list(items)
+    if args.workers <= 1 or len(items) <= 1:
+        return [func(x) for x in items]
+    with ThreadPoolExecutor(min(args.workers, len(items))) as pool:
+        return list(pool.map(func, items))
 
 
 def _node_bounds(w: np.ndarray, partitions: np.ndarray | None, args: ReplanArgs) -> np.ndarray:
@@ -190,10 +220,13 @@ def replan_all(
     phy2log = args.previous.copy()
     moves = np.zeros(layers, dtype=np.int64)
     regrouped = np.zeros(layers, dtype=bool)
-    for layer in range(layers):
-        phy2log[layer], moves[layer], regrouped[layer], _ = replan_one(
-            args, ctx, layer, args.tolerance, int(budgets[layer])
-        )
+    results = map_layers(
+        args,
+        lambda layer: replan_one(args, ctx, layer, args.tolerance, int(budgets[layer])),
+        range(layers),
+    )
+    for layer, (row, used, regroup, _) in enumerate(results):
+        phy2log[layer], moves[layer], regrouped[layer] = row, used, regroup
     return phy2log, moves, regrouped
 
 
@@ -209,8 +242,18 @@ def regrouped(row: np.ndarray, old_part: np.ndarray | None, args: ReplanArgs) ->
 
 def _gpu_counts(row: np.ndarray, num_gpus: int, experts: int) -> np.ndarray:
     """Replicas of every expert on every GPU of one layer, ``(num_gpus, experts)``."""
-    out = np.zeros((num_gpus, experts), dtype=np.int64)
-    np.add.at(out, (np.arange(len(row)) // (len(row) // num_gpus), row), 1)
+    gpu = np.arange(len(row)) // (len(row) // num_gpus)
+    return np.bincount(gpu * experts + row, minlength=num_gpus * experts).reshape(num_gpus, -1)
+
+
+def _overlap(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``out[g, f] = sum_e min(a[g, e], b[f, e])`` for count matrices ``a`` and ``b``: as a sum
+    of products of 0/1 matrices ``[a >= k] [b >= k]^T`` over ``k`` (``min(x, y)`` is the
+    number of ``k >= 1`` with ``x >= k`` and ``y >= k``); exact, the entries are small
+    integers."""
+    out = np.zeros((a.shape[0], b.shape[0]))
+    for k in range(1, int(min(a.max(), b.max())) + 1):
+        out += (a >= k).astype(np.float64) @ (b >= k).astype(np.float64).T
     return out
 
 
@@ -225,7 +268,7 @@ def matched_fresh(prev: np.ndarray, fresh: np.ndarray, args: ReplanArgs) -> tupl
     nodes = args.num_nodes if p.hierarchical else 1
     gpn = gpus // nodes
     a, b = _gpu_counts(prev, gpus, experts), _gpu_counts(fresh, gpus, experts)
-    keep = np.minimum(a[:, None, :], b[None, :, :]).sum(axis=2)  # (old GPU, fresh GPU)
+    keep = _overlap(a, b)  # (old GPU, fresh GPU): replicas kept in place
     node_keep = keep.reshape(nodes, gpn, nodes, gpn).sum(axis=(1, 3))
     _, node_of = linear_sum_assignment(-node_keep)  # fresh node given to each old node
     matched = np.empty((gpus, per), dtype=np.int64)  # fresh GPU matched to each old GPU

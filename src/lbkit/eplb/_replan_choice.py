@@ -10,6 +10,7 @@ from lbkit.eplb._replan_candidates import (
     Candidate,
     Context,
     context,
+    map_layers,
     matched_fresh,
     regrouped,
     replan_all,
@@ -204,6 +205,17 @@ class _Levels:
         return [self.done[j] for j in js], js
 
 
+def _neighbours(chosen: tuple[_Levels, int]) -> bool:
+    """Re-plan the ``_NEIGHBOURS`` levels on each side of a layer's chosen level index (none
+    for the old row and the fresh plan, index ``-1``); whether any was computed."""
+    each, j = chosen
+    grew = False
+    for k in range(1, _NEIGHBOURS + 1) if j >= 0 else ():
+        grew = each.compute(j - k) | grew
+        grew = each.compute(j + k) | grew
+    return grew
+
+
 def mean_candidates(
     args: ReplanArgs, ctx: Context, tolerance: float, budgets: np.ndarray
 ) -> list[list[Candidate]]:
@@ -220,6 +232,8 @@ def mean_candidates(
     (one neighbour: 4.1x, 1.5%); under the hierarchical policy the per-level work is cheap and
     the levels not searched cost 6-16% more moves.
 
+    The layers of each round are re-planned on ``args.workers`` threads (:func:`map_layers`).
+
     Runtime complexity: at most ``len(_LEVELS)`` re-plans per layer; in the global policy at
     most as many choice rounds (:func:`select`).
     """
@@ -229,14 +243,10 @@ def mean_candidates(
     base = [_base_candidates(args, ctx, i, int(budgets[i]), min(levels)) for i in range(layers)]
     found = [_Levels(args, ctx, i, int(budgets[i]), levels) for i in range(layers)]
     if p.hierarchical:
-        for each in found:
-            for j in range(len(levels)):
-                each.compute(j)
+        map_layers(args, lambda each: [each.compute(j) for j in range(len(levels))], found)
         return [base[i] + found[i].candidates()[0] for i in range(layers)]
     first = sorted({levels.index(tolerance * f) for f in _FIRST_LEVELS})
-    for each in found:
-        for j in first:
-            each.compute(j)
+    map_layers(args, lambda each: [each.compute(j) for j in first], found)
     cap = float(ctx.fresh_lb.sum()) * (1.0 + tolerance)
     while True:
         cands, level_of = [], []
@@ -245,13 +255,8 @@ def mean_candidates(
             cands.append(base[i] + more)
             level_of.append([-1] * len(base[i]) + js)
         choice, _ = _select_candidates(cands, cap)
-        grew = False
-        for i in range(layers):
-            j = level_of[i][int(choice[i])]
-            for k in range(1, _NEIGHBOURS + 1) if j >= 0 else ():
-                grew = found[i].compute(j - k) | grew
-                grew = found[i].compute(j + k) | grew
-        if not grew:
+        chosen = [(found[i], level_of[i][int(choice[i])]) for i in range(layers)]
+        if not any(map_layers(args, _neighbours, chosen)):
             return cands
 
 

@@ -58,6 +58,7 @@ class ReplanArgs(NamedTuple):
     regroup_tolerance: float
     num_groups: int  # as given (the problem holds (1, 1) under the global policy)
     num_nodes: int
+    workers: int = 1  # threads re-planning layers at once
 
 
 @jit

@@ -73,6 +73,10 @@ not depend on the total, so a larger total never gives a mean ``moe_lb`` above b
 one's and the target, nor above both the default re-plan's (when its moves fit) and the target.
 :func:`replan_tradeoff` returns the curve of (moves, moe_lb) over a few budgets.
 
+**Threads**: the layers are independent, so every round of re-plans runs on ``workers`` threads
+(default: the CPUs the process may use); the kernels release the GIL, and the result is the same
+for every number of threads.
+
 **The first re-plans of a process** (``LBKIT_JIT`` other than ``"inline"``, re-planning kernels
 neither loaded nor in the disk cache): the searches would run as Python for minutes, so each
 layer chooses only between its old row and the fresh plan matched to it, under the same rules
@@ -90,7 +94,7 @@ import numpy as np
 from lbkit.core.validation import as_int_array, check_choice, check_int, check_real
 from lbkit.eplb._plan import EplbPlan, finish_plan, rebalance_iv
 from lbkit.eplb._regroup import old_partition
-from lbkit.eplb._replan_candidates import replan_all
+from lbkit.eplb._replan_candidates import available_cpus, replan_all
 from lbkit.eplb._replan_choice import DEFAULT_TOLERANCE, replan_mean, replan_total
 from lbkit.eplb._replan_first import replan_kernels_ready, replan_matched
 from lbkit.eplb._replan_layer import ReplanArgs
@@ -204,6 +208,7 @@ def replan_iv(
     tolerance: Any,
     regroup_tolerance: Any,
     tolerance_scope: Any = "mean",
+    workers: Any = None,
 ) -> ReplanArgs:
     problem = rebalance_iv(weight, num_replicas, num_groups, num_nodes, num_gpus, policy)
     layers, experts = problem.weight.shape
@@ -243,6 +248,9 @@ def replan_iv(
     tolerance = check_real(tolerance, "tolerance", min_value=0.0)
     regroup_tolerance = check_real(regroup_tolerance, "regroup_tolerance", min_value=0.0)
     scope = check_choice(tolerance_scope, "tolerance_scope", TOLERANCE_SCOPES)
+    if workers is None:
+        workers = available_cpus()
+    workers = min(check_int(workers, "workers", min_value=1), layers)
     return ReplanArgs(
         problem,
         prev,
@@ -253,6 +261,7 @@ def replan_iv(
         regroup_tolerance,
         int(num_groups),
         int(num_nodes),
+        workers,
     )
 
 
@@ -301,6 +310,7 @@ def replan_experts(
     tolerance: float = DEFAULT_TOLERANCE,
     tolerance_scope: str = "mean",
     regroup_tolerance: float = DEFAULT_REGROUP_TOLERANCE,
+    workers: int | None = None,
 ) -> ReplanResult:
     """Plan replicas for new loads starting from ``previous_phy2log``, moving few replicas.
 
@@ -333,6 +343,10 @@ def replan_experts(
     regroup_tolerance : float, default :data:`DEFAULT_REGROUP_TOLERANCE`
         Hierarchical policy: node balance given up to keep groups on their nodes (module
         docstring).
+    workers : int, optional
+        Threads re-planning layers at once (default: the CPUs this process may run on, at most
+        one per layer). The layers are independent and the kernels release the GIL, so the
+        wall time falls with the threads; the result does not depend on them.
 
     Returns
     -------
@@ -397,6 +411,7 @@ def replan_experts(
         tolerance,
         regroup_tolerance,
         tolerance_scope,
+        workers,
     )
     p = args.problem
     if not replan_kernels_ready():  # the first calls of a process: see _replan_first
