@@ -62,17 +62,23 @@ def _step_score(red, cost, best_free, best_score):
 
 @jit
 def _best_count_change(
-    w, size, cnt, hold, cur, gpu_exp, load, target, budget, moves, start, gpus, hot, scratch,
-    best_free, best_score,
+    w, size, cnt, hold, cur, gpu_exp, load, target, budget, moves, start, gpus, hot, old_of,
+    scratch, best_free, best_score,
 ):  # fmt: skip
     """The best count change that beats ``(best_free, best_score)``: slot ``i`` of GPU ``h``
     (expert ``a``, two or more replicas) given to expert ``b``; ``a``'s other replicas grow,
     ``b``'s shrink. Returns ``(found, best_free, best_score, h, i, b)``.
 
     ``start``, ``gpus``: the holders of every expert (:func:`holders`); ``hot[e]``: some GPU
-    above ``target`` holds ``e``; ``scratch``: ``(dl, mark, touched, hot_list, reach)`` work
-    arrays. The step is the first of the best in the order of ``(h, i, b)``; GPUs above the
-    target are searched first, so that a good step is known early. A candidate is evaluated
+    above ``target`` holds ``e``; ``old_of[g]``: the experts GPU ``g`` held in the old plan
+    (``-1`` pads); ``scratch``: ``(dl, mark, touched, hot_list, reach)`` work arrays. The step
+    is the first of the best in the order of ``(h, i, b)``, whatever order the candidates are
+    evaluated in. GPUs above the target are searched first, so that a good step is known
+    early; the experts ``b`` of a slot by decreasing ``reach[b]`` (below), until
+    ``reach[b]`` plus the parts of ``h`` and of ``a``'s growth cannot beat the best step; the
+    ``b`` that bound does not cover are searched after: those sharing a GPU with ``a``, and,
+    when the replica given up is not a move, those ``h`` held in the old plan (the only ``b``
+    that make the step free, which a paid best step does not bound). A candidate is evaluated
     only if an upper bound on its reduction can beat the best step so far: ``b``'s replicas
     shrink by ``size[b] - w[b] / (cnt[b] + 1)``, lowering each holder's excess by at most that,
     ``h``'s excess falls by at most ``size[a] - w[b] / (cnt[b] + 1)``, and ``a``'s other
@@ -102,11 +108,15 @@ def _best_count_change(
         for k in range(start[b], start[b + 1]):
             r += min(excess(load[gpus[k]], target), shrink)
         reach[b] = r
-        if hot[b]:
-            hot_list[n_hot] = b
+    by_reach = np.argsort(-reach)  # any order of equals: the result does not depend on it
+    for q in range(num_log):
+        if hot[by_reach[q]]:
+            hot_list[n_hot] = by_reach[q]
             n_hot += 1
     amark = np.zeros(num_gpus, dtype=np.int64)  # GPUs holding a (stamp), their growth
     bmark = np.zeros(num_log, dtype=np.int64)  # experts on a GPU holding a (stamp)
+    seen = np.zeros(num_log, dtype=np.int64)  # b searched for this slot (stamp)
+    tail = np.empty(num_gpus * slots + old_of.shape[1], dtype=np.int64)  # searched after
     adl = np.zeros(num_gpus)
     astamp = 0
     for pos in range(2 * num_gpus):  # GPUs above the target first: a high score early
@@ -135,14 +145,46 @@ def _best_count_change(
                 if g != h and amark[g] == astamp:
                     amark[g] = -astamp  # counted once
                     base += excess(load[g], target) - excess(load[g] + adl[g], target)
+            n_tail = 0
             for k in range(start[a], start[a + 1]):
                 g = gpus[k]
                 amark[g] = astamp
                 for j in range(slots):
-                    bmark[gpu_exp[g, j]] = astamp  # shares a GPU with a
+                    e = gpu_exp[g, j]
+                    if bmark[e] != astamp:
+                        bmark[e] = astamp  # shares a GPU with a: bounded without base
+                        tail[n_tail] = e
+                        n_tail += 1
+            a_moved = cur[h, a] > hold[h, a]  # then every b is free
+            if not a_moved:  # the b that make the step free
+                for t in range(old_of.shape[1]):
+                    if old_of[h, t] < 0:
+                        break
+                    tail[n_tail] = old_of[h, t]
+                    n_tail += 1
             h_after = load[h] + adl[h] - grow - size[a]
-            for q in range(n_b):
-                b = q if h_heavy else hot_list[q]
+            top_ab = base + h_exc + slack  # reach[b] + this bounds the rest of the b
+            q = 0
+            while True:
+                if q < n_b:
+                    b = by_reach[q] if h_heavy else hot_list[q]
+                    q += 1
+                    if best_free or (found and not a_moved):
+                        limit = best_score  # a paid b cannot beat a paid best either
+                    else:
+                        limit = tol
+                    if reach[b] + top_ab <= limit:
+                        q = n_b  # nor can any b after it: on to the tail
+                        continue
+                    seen[b] = astamp
+                elif n_tail > 0:
+                    n_tail -= 1
+                    b = tail[n_tail]
+                    if seen[b] == astamp or (not h_heavy and not hot[b]):
+                        continue
+                    seen[b] = astamp
+                else:
+                    break
                 if b == a or cur[h, b] > 0:
                     continue
                 cost = replace_cost(cur, hold, h, a, b)
@@ -525,6 +567,13 @@ def descend(w, size, cnt, hold, cur, gpu_exp, load, target, budget, moves, max_s
     )
     bcg = np.empty(num_gpus, dtype=np.int64)
     bci = np.empty(num_gpus, dtype=np.int64)
+    old_of = np.full((num_gpus, slots), -1, dtype=np.int64)  # experts of the old plan per GPU
+    for g in range(num_gpus):
+        t = 0
+        for e in range(num_log):
+            if hold[g, e] > 0:
+                old_of[g, t] = e
+                t += 1
     tol = REL_TOL * target
     for _step in range(max_steps):
         heavy = 0
@@ -538,7 +587,7 @@ def descend(w, size, cnt, hold, cur, gpu_exp, load, target, budget, moves, max_s
         kind = STEP_NONE
         found, best_free, best_score, ch, ci, cb = _best_count_change(
             w, size, cnt, hold, cur, gpu_exp, load, target, budget, moves, start, gpus, hot,
-            change_scratch, False, 0.0,
+            old_of, change_scratch, False, 0.0,
         )  # fmt: skip
         if found:
             kind = STEP_COUNT_CHANGE
