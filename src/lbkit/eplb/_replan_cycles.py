@@ -21,7 +21,7 @@ CYCLE_CLOSERS = 6
 
 
 @jit
-def _chain_from(size, gpu_exp, cur, load, target, tol, k, j, by_rise, mark, stamp, chain, heavy):
+def _chain_from(size, gpu_exp, cur, load, target, tol, k, j, by_rise, mark, stamp, chain, hs):
     """Longest exchange cycle closed by slot ``j`` of the light GPU ``k`` (counts fixed).
 
     ``k`` gives its replica ``c`` (slot ``j``) to a GPU above ``target``; each GPU of the chain
@@ -31,10 +31,11 @@ def _chain_from(size, gpu_exp, cur, load, target, tol, k, j, by_rise, mark, stam
     step leaves the least slack over its excess (lowest GPU, slot among equals). Returns
     ``(m, span)``: the longest prefix that ``k`` can close (it must not hold the last replica's
     expert) and its total rise; the chain is in ``ch_g[:m], ch_i[:m]`` (``chain = (ch_g,
-    ch_i)``). ``heavy``: the GPUs above ``target``, increasing.
+    ch_i)``). ``hs = (hs_g, hs_i, hs_size, hs_exc)``: the slots of the GPUs above ``target`` (by
+    increasing GPU, then slot), their replica sizes and their GPU's excess.
     """
     ch_g, ch_i = chain
-    slots = gpu_exp.shape[1]
+    hs_g, hs_i, hs_size, hs_exc = hs
     room = target - load[k]
     c = gpu_exp[k, j]
     s_in = size[c]
@@ -47,19 +48,23 @@ def _chain_from(size, gpu_exp, cur, load, target, tol, k, j, by_rise, mark, stam
         bh = -1
         bi = -1
         bslack = np.inf
-        for h in heavy:
-            if mark[h] == stamp or cur[h, e_in] > 0:
+        skip = -1  # a GPU found marked or holding e_in: its other slots are skipped
+        for q in range(hs_g.shape[0]):
+            h = hs_g[q]
+            if h == skip:
                 continue
-            exc = load[h] - target
-            for i in range(slots):
-                d = size[gpu_exp[h, i]] - s_in
-                if d < exc - tol or rise + d > room + tol:
-                    continue
-                key = d if by_rise else d - exc
-                if key < bslack:
-                    bslack = key
-                    bh = h
-                    bi = i
+            if mark[h] == stamp or cur[h, e_in] > 0:
+                skip = h
+                continue
+            exc = hs_exc[q]
+            d = hs_size[q] - s_in
+            if d < exc - tol or rise + d > room + tol:
+                continue
+            key = d if by_rise else d - exc
+            if key < bslack:
+                bslack = key
+                bh = h
+                bi = hs_i[q]
         if bh < 0:
             break
         mark[bh] = stamp
@@ -97,15 +102,23 @@ def cycles(size, gpu_exp, cur, load, target, budget, hold, moves, cur_tmp):
     closers = np.empty(CYCLE_CLOSERS, dtype=np.int64)
     ckey = np.empty(CYCLE_CLOSERS)
     stamp = 0
-    heavy = np.empty(num_gpus, dtype=np.int64)
+    hs_g = np.empty(num_gpus * slots, dtype=np.int64)
+    hs_i = np.empty(num_gpus * slots, dtype=np.int64)
+    hs_size = np.empty(num_gpus * slots)
+    hs_exc = np.empty(num_gpus * slots)
     for _cycle in range(num_gpus):
-        n_heavy = 0
+        n_hs = 0
         for g in range(num_gpus):
             if load[g] > target + tol:
-                heavy[n_heavy] = g
-                n_heavy += 1
-        if n_heavy == 0:
+                for i in range(slots):
+                    hs_g[n_hs] = g
+                    hs_i[n_hs] = i
+                    hs_size[n_hs] = size[gpu_exp[g, i]]
+                    hs_exc[n_hs] = load[g] - target
+                    n_hs += 1
+        if n_hs == 0:
             break
+        hs = (hs_g[:n_hs], hs_i[:n_hs], hs_size[:n_hs], hs_exc[:n_hs])
         nc = 0
         for g in range(num_gpus):
             if load[g] < target - tol:
@@ -120,7 +133,7 @@ def cycles(size, gpu_exp, cur, load, target, budget, hold, moves, cur_tmp):
             stamp += 1
             m, rise = _chain_from(
                 size, gpu_exp, cur, load, target, tol, k, j, q % 2 == 1, mark, stamp,
-                (ch_g, ch_i), heavy[:n_heavy],
+                (ch_g, ch_i), hs,
             )  # fmt: skip
             if m == 0:
                 continue
