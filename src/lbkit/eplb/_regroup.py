@@ -77,6 +77,20 @@ def all_assignments(num_groups: int, num_nodes: int) -> np.ndarray | None:
     return _ASSIGNMENT_CACHE[key]
 
 
+_MEMBERSHIP_CACHE: dict[tuple[int, int], np.ndarray] = {}
+
+
+def _membership(num_groups: int, num_nodes: int) -> np.ndarray:
+    """``m[k, a * num_nodes + n] = 1.0`` when assignment ``a`` of :func:`all_assignments` puts
+    group ``k`` on node ``n``, else ``0.0``; ``(num_groups, assignments × num_nodes)``."""
+    key = (num_groups, num_nodes)
+    if key not in _MEMBERSHIP_CACHE:
+        cands = all_assignments(num_groups, num_nodes)
+        onehot = cands.T[:, :, None] == np.arange(num_nodes)[None, None, :]
+        _MEMBERSHIP_CACHE[key] = onehot.reshape(num_groups, -1).astype(np.float64)
+    return _MEMBERSHIP_CACHE[key]
+
+
 def _exchange_candidates(group_load: np.ndarray, old: np.ndarray, num_nodes: int) -> np.ndarray:
     """The assignments reached from ``old`` by steepest descent over exchanges of two groups
     (``old`` first), when there are too many to enumerate."""
@@ -114,8 +128,9 @@ def choose_partitions(
     """Group-to-node assignment of every layer by the rule of the module docstring.
 
     ``group_load`` and ``old`` are ``(layers, groups)``; returns ``(layers, groups)``. The node
-    loads of every enumerated assignment are summed for all layers at once (one ``einsum``,
-    which sums each node's groups in the same order for every layer).
+    loads of every enumerated assignment are summed for all layers at once: one product with
+    the 0/1 matrix of group-in-node memberships (:func:`_membership`), which sums each node's
+    groups the same way for every layer.
     """
     layers, num_groups = group_load.shape
     if num_groups == num_nodes:  # one group per node: every assignment is as good
@@ -129,8 +144,8 @@ def choose_partitions(
             top = np.einsum("akn,lk->lan", onehot, group_load[i : i + 1]).max(axis=2)[0]
             out[i] = _pick(mine, top, old[i], regroup_tolerance)
         return out
-    onehot = cands[:, :, None] == np.arange(num_nodes)[None, None, :]
-    top = np.einsum("akn,lk->lan", onehot, group_load).max(axis=2)  # (layers, assignments)
+    loads = group_load @ _membership(num_groups, num_nodes)  # (layers, assignments x nodes)
+    top = loads.reshape(layers, len(cands), num_nodes).max(axis=2)  # (layers, assignments)
     for i in range(layers):
         out[i] = _pick(cands, top[i], old[i], regroup_tolerance)
     return out
