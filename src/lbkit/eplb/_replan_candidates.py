@@ -70,15 +70,25 @@ def _node_bounds(w: np.ndarray, partitions: np.ndarray | None, args: ReplanArgs)
         return (lb * w.sum(axis=1) / p.num_gpus)[:, None]
     nodes, groups = args.num_nodes, args.num_groups
     group_size = experts // groups
-    rows = []
-    for layer in range(layers):
-        for n in range(nodes):
-            g = np.flatnonzero(partitions[layer] == n)
-            rows.append(w[layer, (g[:, None] * group_size + np.arange(group_size)).ravel()])
-    wn = np.array(rows)
+    # the groups of every node in increasing order, then their experts: (layers, nodes, local)
+    on_node = np.argsort(partitions, axis=1, kind="stable").reshape(layers, nodes, -1)
+    local = (on_node[:, :, :, None] * group_size + np.arange(group_size)).reshape(layers, nodes, -1)
+    wn = w[np.arange(layers)[:, None, None], local].reshape(layers * nodes, -1)
     gpn = p.num_gpus // nodes
     lb = lower_bound(wn, p.num_replicas // nodes, 1, 1, gpn, policy="global")
     return (lb * wn.sum(axis=1) / gpn).reshape(layers, nodes)
+
+
+def _bounds_like(
+    w: np.ndarray, parts: np.ndarray, known: np.ndarray, bounds: np.ndarray, args: ReplanArgs
+) -> np.ndarray:
+    """:func:`_node_bounds` under ``parts``, reusing the rows of ``bounds`` (under ``known``)
+    of the layers where the two partitions are the same."""
+    differ = np.flatnonzero((parts != known).any(axis=1))
+    out = bounds.copy()
+    if len(differ):
+        out[differ] = _node_bounds(w[differ], parts[differ], args)
+    return out
 
 
 class Context(NamedTuple):
@@ -116,9 +126,9 @@ def context(args: ReplanArgs) -> Context:
     bounds = _node_bounds(w, partitions, args)
     old_bounds = bounds
     if p.hierarchical:
-        old_bounds = _node_bounds(w, old_parts, args)
+        old_bounds = _bounds_like(w, old_parts, partitions, bounds, args)
         fresh_parts = old_partition(fresh, experts, args.num_groups, args.num_nodes)
-        fresh_bounds = _node_bounds(w, fresh_parts, args)
+        fresh_bounds = _bounds_like(w, fresh_parts, partitions, bounds, args)
     return Context(
         partitions,
         old_parts,
