@@ -16,6 +16,7 @@ Run: ``LBKIT_DEEPSEEK_EPLB=/path/to/eplb.py python benchmarks/eplb_replan_speed.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -99,8 +100,11 @@ def main() -> None:
         "rounds in one process (JIT warm); ratio = lbkit re-plan / DeepSeek fresh plan "
         f"(target at most {TARGET_RATIO}); moves = share of replicas moved; vs fresh = mean "
         "moe_lb of the re-plan over a fresh default plan's; DeepSeek's columns need "
-        "LBKIT_DEEPSEEK_EPLB naming a copy of its eplb.py. Shared 2-core machine: wall clock "
-        "varies with other jobs, CPU time less.",
+        "LBKIT_DEEPSEEK_EPLB naming a copy of its eplb.py. Both use the CPUs of the process "
+        f"({len(os.sched_getaffinity(0))} here): lbkit re-plans layers on that many threads "
+        "(the default workers), DeepSeek's torch operations on torch's threads "
+        f"({torch.get_num_threads() if torch is not None else 'n/a'}); CPU time is summed over "
+        "threads. Wall clock varies with other jobs on a shared machine, CPU time less.",
         "columns": [
             "slots/GPUs/nodes",
             "policy",
