@@ -81,12 +81,12 @@ _MEMBERSHIP_CACHE: dict[tuple[int, int], np.ndarray] = {}
 
 
 def _membership(num_groups: int, num_nodes: int) -> np.ndarray:
-    """``m[k, a * num_nodes + n] = 1.0`` when assignment ``a`` of :func:`all_assignments` puts
-    group ``k`` on node ``n``, else ``0.0``; ``(num_groups, assignments × num_nodes)``."""
+    """``m[k, n * A + a] = 1.0`` when assignment ``a`` of the ``A`` of :func:`all_assignments`
+    puts group ``k`` on node ``n``, else ``0.0``; ``(num_groups, num_nodes × A)``."""
     key = (num_groups, num_nodes)
     if key not in _MEMBERSHIP_CACHE:
         cands = all_assignments(num_groups, num_nodes)
-        onehot = cands.T[:, :, None] == np.arange(num_nodes)[None, None, :]
+        onehot = cands.T[:, None, :] == np.arange(num_nodes)[None, :, None]
         _MEMBERSHIP_CACHE[key] = onehot.reshape(num_groups, -1).astype(np.float64)
     return _MEMBERSHIP_CACHE[key]
 
@@ -122,6 +122,21 @@ def _pick(cands: np.ndarray, top: np.ndarray, old: np.ndarray, regroup_tolerance
     return cands[order[0]]
 
 
+def _pick_all(cands: np.ndarray, top: np.ndarray, old: np.ndarray, regroup_tolerance: float):
+    """:func:`_pick` of every layer at once: ``top`` and ``old`` are ``(layers, A)`` and
+    ``(layers, groups)``; returns the index of the assignment kept in each layer (fewest
+    groups moved among those within the tolerance, then the smallest largest node load, then
+    the first)."""
+    moved = (cands[None, :, :] != old[:, None, :]).sum(axis=2)
+    best = top.min(axis=1, keepdims=True)
+    ok = top <= best * (1.0 + regroup_tolerance) + 1e-12 * np.maximum(best, 1.0)
+    key = np.where(ok, moved, np.iinfo(np.int64).max)
+    tied = key == key.min(axis=1, keepdims=True)
+    low = np.where(tied, top, np.inf)
+    tied &= low == low.min(axis=1, keepdims=True)
+    return np.argmax(tied, axis=1)  # the first of the ties
+
+
 def choose_partitions(
     group_load: np.ndarray, old: np.ndarray, num_nodes: int, regroup_tolerance: float
 ) -> np.ndarray:
@@ -144,8 +159,8 @@ def choose_partitions(
             top = np.einsum("akn,lk->lan", onehot, group_load[i : i + 1]).max(axis=2)[0]
             out[i] = _pick(mine, top, old[i], regroup_tolerance)
         return out
-    loads = group_load @ _membership(num_groups, num_nodes)  # (layers, assignments x nodes)
-    top = loads.reshape(layers, len(cands), num_nodes).max(axis=2)  # (layers, assignments)
-    for i in range(layers):
-        out[i] = _pick(cands, top[i], old[i], regroup_tolerance)
-    return out
+    loads = (group_load @ _membership(num_groups, num_nodes)).reshape(layers, num_nodes, -1)
+    top = loads[:, 0].copy()  # (layers, assignments): the largest node load
+    for n in range(1, num_nodes):
+        np.maximum(top, loads[:, n], out=top)
+    return cands[_pick_all(cands, top, old, regroup_tolerance)]

@@ -144,19 +144,22 @@ def context(args: ReplanArgs) -> Context:
     )
 
 
-def row_lb(w: np.ndarray, row: np.ndarray, num_gpus: int) -> float:
-    """``moe_lb`` of one layer's ``phy2log`` row (the arithmetic of :func:`moe_lb`, without
-    its validation: called for every candidate)."""
+def _row_loads(w: np.ndarray, row: np.ndarray, num_gpus: int) -> np.ndarray:
+    """GPU loads of one layer's ``phy2log`` row, ``(num_gpus,)``."""
     cnt = np.bincount(row, minlength=len(w)).astype(np.float64)
-    load = (w[row] / cnt[row]).reshape(num_gpus, -1).sum(axis=1)
+    return (w[row] / cnt[row]).reshape(num_gpus, -1).sum(axis=1)
+
+
+def _lb_of(load: np.ndarray) -> float:
+    """``moe_lb`` of GPU loads: largest over mean (1 when all are zero)."""
     mean = load.mean()
     return float(load.max() / mean) if mean > 0 else 1.0
 
 
-def _row_max(w: np.ndarray, row: np.ndarray, num_gpus: int) -> float:
-    """Largest GPU load of one layer's ``phy2log`` row."""
-    cnt = np.bincount(row, minlength=len(w))
-    return float((w[row] / cnt[row]).reshape(num_gpus, -1).sum(axis=1).max())
+def row_lb(w: np.ndarray, row: np.ndarray, num_gpus: int) -> float:
+    """``moe_lb`` of one layer's ``phy2log`` row (the arithmetic of :func:`moe_lb`, without
+    its validation: called for every candidate)."""
+    return _lb_of(_row_loads(w, row, num_gpus))
 
 
 def replan_one(
@@ -203,17 +206,19 @@ def _replan_one_uncached(
         row, used = replan_layer(setup, prev, ctx.old_bounds[layer], fresh_max, tol, budget)
     if used > budget:
         row, used = prev.copy(), 0
+    load = _row_loads(w, row, p.num_gpus)
     if part is not None and not np.array_equal(part, ctx.fresh_parts[layer]):
         # Short of the fresh plan's balance: try the fresh plan's group-to-node assignment.
-        lb_row = _row_max(w, row, p.num_gpus)
+        lb_row = float(load.max())
         if lb_row > fresh_max * (1.0 + tol) * (1.0 + 1e-9):
             fp = ctx.fresh_parts[layer]
             setup = _setup(args, ctx, layer, fp)
             row2, used2 = replan_layer(setup, prev, ctx.fresh_bounds[layer], fresh_max, tol, budget)
-            if used2 <= budget and _row_max(w, row2, p.num_gpus) < lb_row * (1.0 - tol):
-                row, used, part = row2, used2, fp
+            load2 = _row_loads(w, row2, p.num_gpus)
+            if used2 <= budget and float(load2.max()) < lb_row * (1.0 - tol):
+                row, used, part, load = row2, used2, fp, load2
     # Never worse than keeping the old plan, and strictly better if anything moves.
-    new_lb = row_lb(w, row, p.num_gpus)
+    new_lb = _lb_of(load)
     old_lb = ctx.old_lb[layer]
     if new_lb > old_lb or (used > 0 and new_lb >= old_lb * (1.0 - 1e-12)):
         return prev.copy(), 0, False, None
