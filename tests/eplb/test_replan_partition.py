@@ -10,7 +10,38 @@ import numpy as np
 import pytest
 
 from lbkit.eplb import check_placement, moe_lb, rebalance_experts, replan_experts
-from lbkit.eplb._regroup import MAX_ASSIGNMENTS, all_assignments
+from lbkit.eplb._regroup import MAX_ASSIGNMENTS, all_assignments, choose_partitions
+
+
+def rule_by_brute_force(group_load, old, nodes, tol):
+    """The module's rule, one layer at a time over every assignment: fewest groups moved among
+    those whose largest node load is within ``tol`` of the best, then the smaller largest node
+    load, then enumeration order."""
+    cands = all_assignments(group_load.shape[1], nodes)
+    out = []
+    for w, o in zip(group_load, old, strict=True):
+        top = np.array([max(w[c == n].sum() for n in range(nodes)) for c in cands])
+        best = top.min()
+        ok = top <= best * (1 + tol) + 1e-12 * max(best, 1.0)
+        keys = [(int((c != o).sum()) if ok[a] else 10**9, top[a], a) for a, c in enumerate(cands)]
+        out.append(cands[min(keys)[2]])
+    return np.array(out)
+
+
+@pytest.mark.parametrize(("groups", "nodes"), [(4, 2), (6, 3), (8, 4)])
+@pytest.mark.parametrize("tol", [0.0, 0.01, 0.05])
+def test_partitions_of_all_layers_at_once_follow_the_rule(groups, nodes, tol):
+    """choose_partitions (every layer at once) against the rule layer by layer, with equal
+    group loads and equal layers among random ones (ties)."""
+    rng = np.random.default_rng(groups * 100 + nodes)
+    load = np.round(rng.lognormal(0, 1, (12, groups)) * 8)  # small integers: exact sums, ties
+    load[3] = load[4]
+    load[5] = 7.0
+    cands = all_assignments(groups, nodes)
+    old = cands[rng.integers(0, len(cands), 12)]
+    np.testing.assert_array_equal(
+        choose_partitions(load, old, nodes, tol), rule_by_brute_force(load, old, nodes, tol)
+    )
 
 
 @pytest.mark.parametrize(
