@@ -77,18 +77,19 @@ def all_assignments(num_groups: int, num_nodes: int) -> np.ndarray | None:
     return _ASSIGNMENT_CACHE[key]
 
 
-_MEMBERSHIP_CACHE: dict[tuple[int, int], np.ndarray] = {}
+_MEMBERS_CACHE: dict[tuple[int, int], np.ndarray] = {}
 
 
-def _membership(num_groups: int, num_nodes: int) -> np.ndarray:
-    """``m[k, n * A + a] = 1.0`` when assignment ``a`` of the ``A`` of :func:`all_assignments`
-    puts group ``k`` on node ``n``, else ``0.0``; ``(num_groups, num_nodes × A)``."""
+def _members(num_groups: int, num_nodes: int) -> np.ndarray:
+    """``m[j, n, a]``: the ``j``-th group (increasing) that assignment ``a`` of
+    :func:`all_assignments` puts on node ``n``; ``(num_groups / num_nodes, num_nodes, A)``."""
     key = (num_groups, num_nodes)
-    if key not in _MEMBERSHIP_CACHE:
+    if key not in _MEMBERS_CACHE:
         cands = all_assignments(num_groups, num_nodes)
-        onehot = cands.T[:, None, :] == np.arange(num_nodes)[None, :, None]
-        _MEMBERSHIP_CACHE[key] = onehot.reshape(num_groups, -1).astype(np.float64)
-    return _MEMBERSHIP_CACHE[key]
+        by_node = np.argsort(cands, axis=1, kind="stable")  # groups of node 0, then 1, ...
+        per = num_groups // num_nodes
+        _MEMBERS_CACHE[key] = by_node.reshape(len(cands), num_nodes, per).transpose(2, 1, 0).copy()
+    return _MEMBERS_CACHE[key]
 
 
 def _exchange_candidates(group_load: np.ndarray, old: np.ndarray, num_nodes: int) -> np.ndarray:
@@ -143,9 +144,8 @@ def choose_partitions(
     """Group-to-node assignment of every layer by the rule of the module docstring.
 
     ``group_load`` and ``old`` are ``(layers, groups)``; returns ``(layers, groups)``. The node
-    loads of every enumerated assignment are summed for all layers at once: one product with
-    the 0/1 matrix of group-in-node memberships (:func:`_membership`), which sums each node's
-    groups the same way for every layer.
+    loads of every enumerated assignment are summed for all layers at once, each node's groups
+    in increasing order (:func:`_members`), the same way for every layer.
     """
     layers, num_groups = group_load.shape
     if num_groups == num_nodes:  # one group per node: every assignment is as good
@@ -159,7 +159,10 @@ def choose_partitions(
             top = np.einsum("akn,lk->lan", onehot, group_load[i : i + 1]).max(axis=2)[0]
             out[i] = _pick(mine, top, old[i], regroup_tolerance)
         return out
-    loads = (group_load @ _membership(num_groups, num_nodes)).reshape(layers, num_nodes, -1)
+    members = _members(num_groups, num_nodes)
+    loads = group_load[:, members[0]]  # (layers, nodes, assignments)
+    for j in range(1, members.shape[0]):  # each node's groups added in increasing order
+        loads += group_load[:, members[j]]
     top = loads[:, 0].copy()  # (layers, assignments): the largest node load
     for n in range(1, num_nodes):
         np.maximum(top, loads[:, n], out=top)

@@ -262,14 +262,22 @@ def _gpu_counts(row: np.ndarray, num_gpus: int, experts: int) -> np.ndarray:
 
 
 def _overlap(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """``out[g, f] = sum_e min(a[g, e], b[f, e])`` for count matrices ``a`` and ``b``: as a sum
-    of products of 0/1 matrices ``[a >= k] [b >= k]^T`` over ``k`` (``min(x, y)`` is the
-    number of ``k >= 1`` with ``x >= k`` and ``y >= k``); exact, the entries are small
-    integers."""
-    out = np.zeros((a.shape[0], b.shape[0]))
+    """``out[g, f] = sum_e min(a[g, e], b[f, e])`` for count matrices ``a`` and ``b`` (int64):
+    ``min(x, y)`` is the number of levels ``k >= 1`` with ``x >= k`` and ``y >= k``, so every
+    level adds one for each pair of a row of ``a`` and a row of ``b`` reaching it on a common
+    column. The pairs are joined on the column (sparse: a few per column), not multiplied as
+    dense matrices (no BLAS call, whose threads would spin on every core for a tiny product).
+    """
+    rows_a, rows_b = a.shape[0], b.shape[0]
+    out = np.zeros(rows_a * rows_b, dtype=np.int64)
     for k in range(1, int(min(a.max(), b.max())) + 1):
-        out += (a >= k).astype(np.float64) @ (b >= k).astype(np.float64).T
-    return out
+        ga, ea = np.nonzero(a >= k)
+        eb, gb = np.nonzero((b >= k).T)  # by column, then row
+        lo = np.searchsorted(eb, ea, side="left")
+        n = np.searchsorted(eb, ea, side="right") - lo
+        first = np.repeat(lo - np.cumsum(n) + n, n) + np.arange(int(n.sum()))
+        out += np.bincount(np.repeat(ga, n) * rows_b + gb[first], minlength=rows_a * rows_b)
+    return out.reshape(rows_a, rows_b)
 
 
 def matched_fresh(prev: np.ndarray, fresh: np.ndarray, args: ReplanArgs) -> tuple[np.ndarray, int]:
