@@ -103,13 +103,7 @@ def kernel_best_change(fn, w, size, cnt, hold, cur, gpu_exp, load, target, budge
     for k in range(g):
         held = np.flatnonzero(hold[k] > 0)
         old_of[k, : len(held)] = held
-    scratch = (
-        np.zeros(g),
-        np.zeros(g, dtype=np.int64),
-        np.empty(g, dtype=np.int64),
-        np.empty(e, dtype=np.int64),
-        np.empty(e),
-    )
+    scratch = D.count_change_scratch(g, e)
     return fn(
         w, size, cnt, hold, cur, gpu_exp, load, target, budget, moves, start, gpus, hot,
         old_of, scratch, False, 0.0,

@@ -34,7 +34,15 @@ from lbkit.eplb._primitives import (
     swap_cost,
 )
 
-__all__ = ["MAX_CHAIN", "STEP_CHAIN", "STEP_COUNT_CHANGE", "STEP_NONE", "STEP_SWAP"]
+__all__ = [
+    "MAX_CHAIN",
+    "STEP_CHAIN",
+    "STEP_COUNT_CHANGE",
+    "STEP_NONE",
+    "STEP_SWAP",
+    "count_change_scratch",
+    "descend",
+]
 
 #: Kinds of descent step (:func:`descend`); ``STEP_NONE``: no step lowers the excess.
 STEP_NONE = -1
@@ -58,6 +66,18 @@ def _step_score(red, cost, best_free, best_score):
     if best_free or red / cost <= best_score:
         return -1.0
     return red / cost
+
+
+@jit
+def count_change_scratch(num_gpus, num_log):
+    """The work arrays of :func:`_best_count_change`: ``(dl, mark, touched, hot_list, reach)``."""
+    return (
+        np.zeros(num_gpus),
+        np.zeros(num_gpus, dtype=np.int64),
+        np.empty(num_gpus, dtype=np.int64),
+        np.empty(num_log, dtype=np.int64),
+        np.empty(num_log),
+    )
 
 
 @jit
@@ -550,13 +570,7 @@ def descend(w, size, cnt, hold, cur, gpu_exp, load, target, budget, moves, max_s
     start = np.zeros(num_log + 1, dtype=np.int64)
     gpus = np.empty(num_gpus * slots, dtype=np.int64)
     hot = np.zeros(num_log, dtype=np.bool_)
-    change_scratch = (
-        np.zeros(num_gpus),
-        np.zeros(num_gpus, dtype=np.int64),
-        np.empty(num_gpus, dtype=np.int64),
-        np.empty(num_log, dtype=np.int64),
-        np.empty(num_log),
-    )
+    change_scratch = count_change_scratch(num_gpus, num_log)
     chain_scratch = (
         np.zeros(num_gpus, dtype=np.int64),
         np.empty(num_gpus, dtype=np.int64),
