@@ -436,6 +436,11 @@ def _best_chain(
     entries); the chain found goes to ``best = (bcg, bci)``.
     Returns ``(found, best_free, best_score, m, k, j)``: ``m`` GPUs above ``target`` and the
     closing slot ``j`` of GPU ``k``.
+
+    When the best step so far is free, only a free chain can beat it, and a chain is not closed
+    when its cost cannot drop to zero whatever closes it: the exchanges between its GPUs are
+    known, the last GPU's costs at least minus one if the replica it passes on is a move, and
+    the closing GPU's at least minus one.
     """
     mark, cg, ci, hs_g, hs_j, hs_key = scratch
     bcg, bci = best
@@ -477,11 +482,16 @@ def _best_chain(
             cg[0] = h1
             ci[0] = i1
             limit = size[a1] - (load[h1] - target)
+            inner = 0  # cost of the exchanges between the chain's GPUs
             while True:
                 last = cg[m - 1]
                 ck = cj = -1
                 ck_load = 0.0
-                if m >= 2:  # a chain of one heavy GPU is a swap
+                least = inner - 1  # the least cost of the chain closed here
+                out = gpu_exp[last, ci[m - 1]]
+                if cur[last, out] > hold[last, out]:
+                    least -= 1
+                if m >= 2 and not (best_free and least > 0):  # one heavy GPU: a swap
                     ck, cj, ck_load = _close_chain(
                         size, cur, gpu_exp, load, target, cg, ci, m, mark, stamp, limit, by_room
                     )
@@ -518,6 +528,7 @@ def _best_chain(
                     break
                 if nh < 0:
                     break
+                inner += replace_cost(cur, hold, last, gpu_exp[last, ci[m - 1]], gpu_exp[nh, ni])
                 mark[nh] = stamp
                 cg[m] = nh
                 ci[m] = ni
