@@ -136,11 +136,16 @@ def _select_candidates(
 
 
 def _choose(
-    cands: list[list[Candidate]], cap: float, limit: int | None = None
+    cands: list[list[Candidate]], cap: float, limit: int | None = None, choice=None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One candidate per layer by :func:`select`: ``(phy2log, moves, regrouped)``."""
+    """One candidate per layer by :func:`select` (or the ``choice`` it already made over these
+    candidates): ``(phy2log, moves, regrouped)``."""
     layers = len(cands)
-    choice, m = _select_candidates(cands, cap, limit)
+    if choice is None:
+        choice, m = _select_candidates(cands, cap, limit)
+    else:
+        m = np.array([[c[0] for c in opts] + [0] * (max(map(len, cands)) - len(opts))
+                      for opts in cands], dtype=np.int64)  # fmt: skip
     phy2log = np.stack([cands[i][choice[i]][2] for i in range(layers)])
     regrouped = np.array([cands[i][choice[i]][3] for i in range(layers)], dtype=bool)
     return phy2log, m[np.arange(layers), choice], regrouped
@@ -219,6 +224,13 @@ def _neighbours(chosen: tuple[_Levels, int]) -> bool:
 def mean_candidates(
     args: ReplanArgs, ctx: Context, tolerance: float, budgets: np.ndarray
 ) -> list[list[Candidate]]:
+    """:func:`_mean_search`'s candidates."""
+    return _mean_search(args, ctx, tolerance, budgets)[0]
+
+
+def _mean_search(
+    args: ReplanArgs, ctx: Context, tolerance: float, budgets: np.ndarray
+) -> tuple[list[list[Candidate]], np.ndarray | None]:
     """Candidates of every layer in the mean mode at ``tolerance`` (module docstring): the old
     row first, the matched fresh plan, then the re-plans at the per-layer levels, loose first.
 
@@ -233,6 +245,8 @@ def mean_candidates(
     the levels not searched cost 6-16% more moves.
 
     The layers of each round are re-planned on ``args.workers`` threads (:func:`map_layers`).
+    Returns the candidates and, under the global policy, the last round's choice over them
+    (:func:`select` at the mean target of ``tolerance``), else ``None``.
 
     Runtime complexity: at most ``len(_LEVELS)`` re-plans per layer; in the global policy at
     most as many choice rounds (:func:`select`).
@@ -244,7 +258,7 @@ def mean_candidates(
     found = [_Levels(args, ctx, i, int(budgets[i]), levels) for i in range(layers)]
     if p.hierarchical:
         map_layers(args, lambda each: [each.compute(j) for j in range(len(levels))], found)
-        return [base[i] + found[i].candidates()[0] for i in range(layers)]
+        return [base[i] + found[i].candidates()[0] for i in range(layers)], None
     first = sorted({levels.index(tolerance * f) for f in _FIRST_LEVELS})
     map_layers(args, lambda each: [each.compute(j) for j in first], found)
     cap = float(ctx.fresh_lb.sum()) * (1.0 + tolerance)
@@ -257,15 +271,15 @@ def mean_candidates(
         choice, _ = _select_candidates(cands, cap)
         chosen = [(found[i], level_of[i][int(choice[i])]) for i in range(layers)]
         if not any(map_layers(args, _neighbours, chosen)):
-            return cands
+            return cands, choice  # the choice of select over these very candidates
 
 
 def replan_mean(args: ReplanArgs, budgets: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Mean mode: candidates per layer, then the fewest moves with the mean ``moe_lb`` within
     ``tolerance`` of the fresh plan's (module docstring)."""
     ctx = context(args)
-    cands = mean_candidates(args, ctx, args.tolerance, budgets)
-    return _choose(cands, float(ctx.fresh_lb.sum()) * (1.0 + args.tolerance))
+    cands, choice = _mean_search(args, ctx, args.tolerance, budgets)
+    return _choose(cands, float(ctx.fresh_lb.sum()) * (1.0 + args.tolerance), choice=choice)
 
 
 def _budget_ladder(limit: int) -> list[int]:
