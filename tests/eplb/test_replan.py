@@ -392,7 +392,7 @@ def test_level_search_re_plans_fewer_levels_and_stops_at_a_settled_choice(seed, 
     levels = sorted({0.01 * f for f in _replan_choice._LEVELS}, reverse=True)
     assert len(calls) == len(set(calls)) < 6 * len(levels)
     cap = float(ctx.fresh_lb.sum()) * 1.01
-    choice, _ = _replan_choice._select_candidates(cands, cap)
+    choice = _replan_choice._select_candidates(cands, cap)
     total = 0.0
     checked = 0
     for layer, opts in enumerate(cands):

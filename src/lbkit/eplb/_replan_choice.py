@@ -122,9 +122,8 @@ def _programme(
 
 def _select_candidates(
     cands: list[list[Candidate]], cap: float, limit: int | None = None
-) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`select` over candidate lists: ``(choice, moves)``, the index of the candidate
-    chosen in each layer and the moves matrix."""
+) -> np.ndarray:
+    """:func:`select` over candidate lists: the index of the candidate chosen in each layer."""
     layers = len(cands)
     width = max(len(c) for c in cands)
     m = np.zeros((layers, width), dtype=np.int64)
@@ -132,7 +131,7 @@ def _select_candidates(
     for i, opts in enumerate(cands):
         for j, (used, lb, _, _) in enumerate(opts):
             m[i, j], v[i, j] = used, lb
-    return select(m, v, cap, limit), m
+    return select(m, v, cap, limit)
 
 
 def _choose(
@@ -140,15 +139,13 @@ def _choose(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One candidate per layer by :func:`select` (or the ``choice`` it already made over these
     candidates): ``(phy2log, moves, regrouped)``."""
-    layers = len(cands)
     if choice is None:
-        choice, m = _select_candidates(cands, cap, limit)
-    else:
-        m = np.array([[c[0] for c in opts] + [0] * (max(map(len, cands)) - len(opts))
-                      for opts in cands], dtype=np.int64)  # fmt: skip
-    phy2log = np.stack([cands[i][choice[i]][2] for i in range(layers)])
-    regrouped = np.array([cands[i][choice[i]][3] for i in range(layers)], dtype=bool)
-    return phy2log, m[np.arange(layers), choice], regrouped
+        choice = _select_candidates(cands, cap, limit)
+    chosen = [opts[int(c)] for opts, c in zip(cands, choice, strict=True)]
+    phy2log = np.stack([row for _, _, row, _ in chosen])
+    moves = np.array([used for used, _, _, _ in chosen], dtype=np.int64)
+    regrouped = np.array([regroup for _, _, _, regroup in chosen], dtype=bool)
+    return phy2log, moves, regrouped
 
 
 #: Per-layer tolerances of the mean mode, as multiples of ``tolerance``. A layer's moves fall
@@ -268,7 +265,7 @@ def _mean_search(
             more, js = found[i].candidates()
             cands.append(base[i] + more)
             level_of.append([-1] * len(base[i]) + js)
-        choice, _ = _select_candidates(cands, cap)
+        choice = _select_candidates(cands, cap)
         chosen = [(found[i], level_of[i][int(choice[i])]) for i in range(layers)]
         if not any(map_layers(args, _neighbours, chosen)):
             return cands, choice  # the choice of select over these very candidates
