@@ -15,6 +15,7 @@ from lbkit.eplb._regroup import choose_partitions, old_partition
 from lbkit.eplb._replan_layer import (
     LayerSetup,
     ReplanArgs,
+    experts_by_node,
     layer_setup,
     place_slots,
     replan_layer,
@@ -68,11 +69,8 @@ def _node_bounds(w: np.ndarray, partitions: np.ndarray | None, args: ReplanArgs)
     if partitions is None:
         lb = lower_bound(w, p.num_replicas, 1, 1, p.num_gpus, policy="global")
         return (lb * w.sum(axis=1) / p.num_gpus)[:, None]
-    nodes, groups = args.num_nodes, args.num_groups
-    group_size = experts // groups
-    # the groups of every node in increasing order, then their experts: (layers, nodes, local)
-    on_node = np.argsort(partitions, axis=1, kind="stable").reshape(layers, nodes, -1)
-    local = (on_node[:, :, :, None] * group_size + np.arange(group_size)).reshape(layers, nodes, -1)
+    nodes = args.num_nodes
+    local = experts_by_node(partitions, nodes, experts // args.num_groups)
     wn = w[np.arange(layers)[:, None, None], local].reshape(layers * nodes, -1)
     gpn = p.num_gpus // nodes
     lb = lower_bound(wn, p.num_replicas // nodes, 1, 1, gpn, policy="global")

@@ -32,6 +32,7 @@ __all__ = [
     "MAX_STEPS_PER_SLOT",
     "LayerSetup",
     "ReplanArgs",
+    "experts_by_node",
     "layer_setup",
     "place_rows",
     "place_slots",
@@ -442,6 +443,14 @@ def replan_nodes(w_nodes, old_nodes, node_experts, prev, order, target, budget, 
     return budget - left
 
 
+def experts_by_node(node_of_group: np.ndarray, num_nodes: int, group_size: int) -> np.ndarray:
+    """The experts of every node, its groups in increasing order: ``(..., num_nodes, experts
+    per node)`` global ids for ``node_of_group`` of shape ``(..., groups)``."""
+    lead = node_of_group.shape[:-1]
+    groups = np.argsort(node_of_group, axis=-1, kind="stable").reshape(*lead, num_nodes, -1)
+    return (groups[..., None] * group_size + np.arange(group_size)).reshape(*lead, num_nodes, -1)
+
+
 class LayerSetup(NamedTuple):
     """A layer cut into sub-problems for one group-to-node partition (:func:`layer_setup`):
     what :func:`replan_nodes` takes besides the target and the budget."""
@@ -468,9 +477,7 @@ def layer_setup(
         first = np.zeros(1, dtype=np.int64)
         old_nodes = prev.reshape(1, g_per_node, per_gpu)
         return LayerSetup(w[None, :], old_nodes, np.arange(experts)[None, :], first)
-    group_size = experts // args.num_groups
-    groups = np.argsort(node_of_group, kind="stable").reshape(nodes, -1)
-    node_experts = (groups[:, :, None] * group_size + np.arange(group_size)).reshape(nodes, -1)
+    node_experts = experts_by_node(node_of_group, nodes, experts // args.num_groups)
     local = node_experts.shape[1]
     log2local = np.full((nodes, experts), -1, dtype=np.int64)
     log2local[np.arange(nodes)[:, None], node_experts] = np.arange(local)
