@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from lbkit.core._jit import jit
-from lbkit.eplb._bound_kernels import subproblem_bound
+from lbkit.eplb._bound_kernels import PLAN_BOUND_TOL, subproblem_bound
 from lbkit.eplb._exact import EXACT_BUDGET, EXACT_MAX_REPLICAS, exact_search
 from lbkit.eplb._packing import pack, try_move
 from lbkit.eplb._primitives import (
@@ -270,7 +270,8 @@ def solve_subproblem(w, num_gpus, slots, max_evals, stop_gap, target, cnt, gpu_e
     load = np.empty(num_gpus)
     trial_cnt = np.empty(num_log, dtype=np.int64)
     trial_exp = np.empty_like(gpu_exp)
-    good_enough = max(subproblem_bound(w, num_gpus, slots) * (1.0 + stop_gap), target)
+    bound = subproblem_bound(w, num_gpus, slots, PLAN_BOUND_TOL)
+    good_enough = max(bound * (1.0 + stop_gap), target)
     apportion_minmax(w, num_phy, cnt)
     best = _count_search(w, num_gpus, slots, max_evals, good_enough, 0, -1, cnt, gpu_exp)
     if slots > 2 and num_phy > EXACT_MAX_REPLICAS and best > good_enough and total > 0.0:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from lbkit.core._jit import jit
-from lbkit.eplb._bound_kernels import subproblem_bound
+from lbkit.eplb._bound_kernels import PLAN_BOUND_TOL, subproblem_bound
 from lbkit.eplb._primitives import (
     REL_TOL,
     apportion_minmax,
@@ -393,7 +393,7 @@ def solve_two_slot(w, num_gpus, stop_gap, target, cnt, gpu_exp):
     total = 0.0
     for e in range(num_log):
         total += w[e]
-    good_enough = max(subproblem_bound(w, num_gpus, 2) * (1.0 + stop_gap), target)
+    good_enough = max(subproblem_bound(w, num_gpus, 2, PLAN_BOUND_TOL) * (1.0 + stop_gap), target)
     if total <= 0.0:
         good_enough = np.inf
     top = two_slot_counts(w, num_gpus, good_enough, TWO_SLOT_STEPS_PER_GPU * num_gpus, True, cnt)

@@ -181,7 +181,10 @@ def _layer_nodes(w, num_groups, num_nodes, gpus_per_node, slots, local2log, w_no
                     local2log[n, k] = g * group_size + j
                     w_node[n, k] = w[g * group_size + j]
                     k += 1
-        node_bound[n] = subproblem_bound(w_node[n], gpus_per_node, slots) if num_nodes > 1 else 0.0
+        if num_nodes > 1:
+            node_bound[n] = subproblem_bound(w_node[n], gpus_per_node, slots, 0.0)
+        else:
+            node_bound[n] = 0.0
     return np.argsort(-node_bound, kind="mergesort")
 
 
