@@ -17,8 +17,10 @@ from lbkit.eplb._replan_layer import (
     ReplanArgs,
     experts_by_node,
     layer_setup,
+    level_target,
     place_slots,
     replan_layer,
+    replan_nodes_levels,
 )
 from lbkit.eplb.balanced import balanced_rebalance
 from lbkit.eplb.bounds import lower_bound, moe_lb
@@ -32,6 +34,7 @@ __all__ = [
     "matched_fresh",
     "regrouped",
     "replan_all",
+    "replan_levels",
     "replan_one",
     "row_lb",
 ]
@@ -148,6 +151,15 @@ def _row_loads(w: np.ndarray, row: np.ndarray, num_gpus: int) -> np.ndarray:
     return (w[row] / cnt[row]).reshape(num_gpus, -1).sum(axis=1)
 
 
+def _rows_loads(w: np.ndarray, rows: np.ndarray, num_gpus: int) -> np.ndarray:
+    """:func:`_row_loads` of every row of ``rows`` ``(n, slots)`` at once, ``(n, num_gpus)``:
+    the same arithmetic in the same order, so the same bits."""
+    n, experts = rows.shape[0], len(w)
+    flat = (rows + np.arange(n)[:, None] * experts).ravel()
+    cnt = np.bincount(flat, minlength=n * experts).astype(np.float64)
+    return (w[rows] / cnt[flat].reshape(rows.shape)).reshape(n, num_gpus, -1).sum(axis=2)
+
+
 def _lb_of(load: np.ndarray) -> float:
     """``moe_lb`` of GPU loads: largest over mean (1 when all are zero)."""
     mean = load.mean()
@@ -187,24 +199,83 @@ def _setup(args: ReplanArgs, ctx: Context, layer: int, part: np.ndarray | None) 
     return ctx.memo[key]
 
 
+def replan_levels(args: ReplanArgs, ctx: Context, layer: int, tols: list, budget: int) -> None:
+    """Memoise :func:`replan_one` of one layer at the tolerances ``tols`` (loose first; the same
+    results): the sub-problems of the levels under the layer's partition in one kernel call
+    (:func:`replan_nodes_levels`), the rest of each as :func:`replan_one` does it. Saves the
+    Python around a call per level where the kernels are short (hierarchical sub-problems).
+
+    A level is left out when an earlier row certainly meets it (``_Levels.compute`` would skip
+    it): its largest GPU load is within the level's tolerance of the fresh plan's and below
+    the old row's, both by a margin of ``1e-9`` that covers the kernel's other summation order.
+    Whatever is left out and still wanted is computed by :func:`replan_one` on demand.
+    """
+    todo = [t for t in tols if (layer, t, budget) not in ctx.memo and not _keeps_old(ctx, layer, t)]
+    if len(todo) < 2:
+        return
+    p = args.problem
+    w, prev, fresh_max = p.weight[layer], args.previous[layer], float(ctx.fresh_max[layer])
+    part = None if ctx.partitions is None else ctx.partitions[layer]
+    targets = np.array([level_target(ctx.bounds[layer], fresh_max, t) for t in todo])
+    mean = w.sum() / p.num_gpus
+    meets = np.array([ctx.fresh_lb[layer] * (1.0 + t) for t in todo]) * mean * (1.0 - 1e-9)
+    useful = float(ctx.old_lb[layer] * mean * (1.0 - 1e-9))
+    rows = np.empty((len(todo), prev.shape[0]), dtype=np.int64)
+    w_nodes, old_nodes, node_experts, order = _setup(args, ctx, layer, part)
+    used = replan_nodes_levels(
+        w_nodes, old_nodes, node_experts, prev, order, targets, budget, w, meets, useful, rows
+    )
+    done = np.flatnonzero(used >= 0)
+    loads = _rows_loads(w, rows[done], p.num_gpus)
+    for k, load in zip(done, loads, strict=True):
+        result = _finish(args, ctx, layer, todo[k], budget, part, rows[k], int(used[k]), load)
+        ctx.memo[layer, todo[k], budget] = result
+
+
+def _keeps_old(ctx: Context, layer: int, tol: float) -> bool:
+    """Whether the old row is as good as a fresh plan at ``tol``: nothing to move."""
+    return bool(ctx.old_lb[layer] <= ctx.fresh_lb[layer] * (1.0 + tol))
+
+
 def _replan_one_uncached(
     args: ReplanArgs, ctx: Context, layer: int, tol: float, budget: int
 ) -> tuple[np.ndarray, int, bool, float | None]:
+    prev = args.previous[layer]
+    if _keeps_old(ctx, layer, tol):
+        return prev.copy(), 0, False, None
+    part = None if ctx.partitions is None else ctx.partitions[layer]
+    setup = _setup(args, ctx, layer, part)
+    fresh_max = float(ctx.fresh_max[layer])
+    row, used = replan_layer(setup, prev, ctx.bounds[layer], fresh_max, tol, budget)
+    return _finish(args, ctx, layer, tol, budget, part, row, used)
+
+
+def _finish(
+    args: ReplanArgs,
+    ctx: Context,
+    layer: int,
+    tol: float,
+    budget: int,
+    part: np.ndarray | None,
+    row: np.ndarray,
+    used: int,
+    load: np.ndarray | None = None,
+) -> tuple[np.ndarray, int, bool, float | None]:
+    """:func:`replan_one`'s result from the re-plan ``(row, used)`` under the layer's partition
+    ``part`` (``load``: its GPU loads if known): the old partition when that exceeds the budget,
+    the fresh plan's when that is better balanced, never worse than the old row."""
     p = args.problem
     w, prev = p.weight[layer], args.previous[layer]
     fresh_max = float(ctx.fresh_max[layer])
-    if ctx.old_lb[layer] <= ctx.fresh_lb[layer] * (1.0 + tol):
-        return prev.copy(), 0, False, None  # as good as a fresh plan: nothing to move
-    part = None if ctx.partitions is None else ctx.partitions[layer]
-    setup = _setup(args, ctx, layer, part)
-    row, used = replan_layer(setup, prev, ctx.bounds[layer], fresh_max, tol, budget)
     if used > budget and part is not None:
         part = ctx.old_parts[layer]
         setup = _setup(args, ctx, layer, part)
         row, used = replan_layer(setup, prev, ctx.old_bounds[layer], fresh_max, tol, budget)
+        load = None
     if used > budget:
-        row, used = prev.copy(), 0
-    load = _row_loads(w, row, p.num_gpus)
+        row, used, load = prev.copy(), 0, None
+    if load is None:
+        load = _row_loads(w, row, p.num_gpus)
     if part is not None and not np.array_equal(part, ctx.fresh_parts[layer]):
         # Short of the fresh plan's balance: try the fresh plan's group-to-node assignment.
         lb_row = float(load.max())

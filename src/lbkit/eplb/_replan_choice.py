@@ -14,6 +14,7 @@ from lbkit.eplb._replan_candidates import (
     matched_fresh,
     regrouped,
     replan_all,
+    replan_levels,
     replan_one,
     row_lb,
 )
@@ -201,6 +202,13 @@ class _Levels:
         self.done[j] = (used, v, row, regroup) if used > 0 else None
         return True
 
+    def compute_all(self) -> None:
+        """:meth:`compute` at every level, loose first; the re-plans of all levels in one kernel
+        call (:func:`replan_levels`; the levels a looser result meets are computed and unused)."""
+        replan_levels(self.args, self.ctx, self.layer, self.levels, self.budget)
+        for j in range(len(self.levels)):
+            self.compute(j)
+
     def candidates(self) -> tuple[list[Candidate], list[int]]:
         """The results with moves, loose first, and their level indices."""
         js = [j for j in sorted(self.done) if self.done[j] is not None]
@@ -254,7 +262,7 @@ def _mean_search(
     base = [_base_candidates(args, ctx, i, int(budgets[i]), min(levels)) for i in range(layers)]
     found = [_Levels(args, ctx, i, int(budgets[i]), levels) for i in range(layers)]
     if p.hierarchical:
-        map_layers(args, lambda each: [each.compute(j) for j in range(len(levels))], found)
+        map_layers(args, lambda each: each.compute_all(), found)
         return [base[i] + found[i].candidates()[0] for i in range(layers)], None
     first = sorted({levels.index(tolerance * f) for f in _FIRST_LEVELS})
     map_layers(args, lambda each: [each.compute(j) for j in first], found)

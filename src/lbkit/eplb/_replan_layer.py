@@ -34,10 +34,12 @@ __all__ = [
     "ReplanArgs",
     "experts_by_node",
     "layer_setup",
+    "level_target",
     "place_rows",
     "place_slots",
     "replan_layer",
     "replan_nodes",
+    "replan_nodes_levels",
     "replan_subproblem",
     "subproblem",
     "warmup",
@@ -419,6 +421,52 @@ def replan_nodes(w_nodes, old_nodes, node_experts, prev, order, target, budget, 
     expert); ``prev``: the old ``phy2log`` row. Returns the moves, or ``budget + 1`` (``new``
     then holds ``prev``) when a sub-problem cannot be re-planned within what is left.
     """
+    return _replan_nodes(w_nodes, old_nodes, node_experts, prev, order, target, budget, new)
+
+
+@entry
+def replan_nodes_levels(
+    w_nodes, old_nodes, node_experts, prev, order, targets, budget, w, meets, useful, rows
+):
+    """:func:`replan_nodes` at the targets of the tolerance levels, loose first, in one call:
+    ``rows[k]`` gets the row of ``targets[k]``; returns the moves of each, ``(levels,)``, the
+    same as one call per level, or ``-1`` where level ``k`` was not computed: an earlier row
+    with moves within the budget and largest GPU load at most ``useful`` already had a largest
+    GPU load at most ``meets[k]`` (``w``: the layer's loads, for the rows' GPU loads).
+    """
+    levels = targets.shape[0]
+    num_gpus = old_nodes.shape[0] * old_nodes.shape[1]
+    per = old_nodes.shape[2]
+    cnt = np.zeros(w.shape[0], dtype=np.int64)
+    used = np.full(levels, -1, dtype=np.int64)
+    best = np.inf
+    for k in range(levels):
+        if best < np.inf and best <= meets[k]:
+            continue
+        used[k] = _replan_nodes(
+            w_nodes, old_nodes, node_experts, prev, order, targets[k], budget, rows[k]
+        )
+        if used[k] < 1 or used[k] > budget:
+            continue
+        for e in rows[k]:
+            cnt[e] += 1
+        top = 0.0
+        for g in range(num_gpus):
+            s = 0.0
+            for i in range(per):
+                e = rows[k, g * per + i]
+                s += w[e] / cnt[e]
+            top = max(top, s)
+        for e in rows[k]:
+            cnt[e] = 0
+        if top <= useful:
+            best = min(best, top)
+    return used
+
+
+@jit
+def _replan_nodes(w_nodes, old_nodes, node_experts, prev, order, target, budget, new):
+    """:func:`replan_nodes`."""
     nodes, gpus, per = old_nodes.shape
     phy = gpus * per
     max_steps = MAX_STEPS_PER_SLOT * phy + 8
@@ -495,6 +543,12 @@ def layer_setup(
     return LayerSetup(w_nodes, old_nodes, node_experts, order)
 
 
+def level_target(node_bound: np.ndarray, fresh_max: float, tol: float) -> float:
+    """The largest GPU load a layer's re-plan at per-layer tolerance ``tol`` aims for: ``1 +
+    tol`` times the larger of its sub-problems' bounds and the fresh plan's largest load."""
+    return max(float(node_bound.max()), fresh_max) * (1.0 + tol)
+
+
 def replan_layer(
     setup: LayerSetup,
     prev: np.ndarray,
@@ -508,7 +562,7 @@ def replan_layer(
 
     ``moves > budget`` means the budget cannot even pay for the replicas the partition forces.
     """
-    target = max(float(node_bound.max()), fresh_max) * (1.0 + tol)
+    target = level_target(node_bound, fresh_max, tol)
     new = np.empty(prev.shape[0], dtype=np.int64)
     w_nodes, old_nodes, node_experts, order = setup
     used = replan_nodes(w_nodes, old_nodes, node_experts, prev, order, target, budget, new)
@@ -528,3 +582,9 @@ def warmup() -> None:
     experts = np.arange(4)[None, :]
     order = np.zeros(1, dtype=np.int64)
     replan_nodes.dispatcher(w[None, :], old[None], experts, old.ravel(), order, 4.0, 10, new)
+    rows = np.empty((1, old.size), dtype=np.int64)
+    targets = np.array([4.0])
+    prev, limit = old.ravel(), np.array([1.0])
+    replan_nodes_levels.dispatcher(
+        w[None, :], old[None], experts, prev, order, targets, 10, w, limit, 1.0, rows
+    )
