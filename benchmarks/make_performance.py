@@ -5,6 +5,7 @@ Usage::
     python benchmarks/make_performance.py                 # run everything, then render
     python benchmarks/make_performance.py --render-only   # render from benchmarks/results/*.json
     LBKIT_DEEPSEEK_EPLB=/path/to/eplb.py python benchmarks/make_performance.py
+    LBKIT_SGLANG_DEEPSEEK_VEC=/path/to/deepseek_vec.py ...   # SGLang's plans beside ours
 
 Steps:
 
@@ -58,6 +59,12 @@ TABLE_SCRIPTS = (
         "lockstep_weights.json",
     ),
     ("EPLB balance and plan time", "eplb_targets.py", (), "eplb_targets.json"),
+    (
+        "EPLB with two slots per GPU against the peers",
+        "eplb_two_slot_peers.py",
+        (),
+        "eplb_two_slot_peers.json",
+    ),
     ("EPLB re-planning under drift", "eplb_drift.py", (), "eplb_drift.json"),
     (
         "EPLB re-plan time against DeepSeek's fresh plan",

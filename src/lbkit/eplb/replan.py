@@ -347,8 +347,8 @@ def replan_experts(
     workers : int, optional
         Threads re-planning layers at once, at most one per layer; the result does not depend
         on them. Default: the CPUs this process may run on (the layers are independent and the
-        kernels release the GIL; for 58 × 256 on 2 cores, 2 threads take 0.56-0.62 of one
-        thread's time under the global policy, 0.70-0.94 under the hierarchical one).
+        kernels release the GIL; for 58 × 256 on 2 cores, 2 threads take 0.55-0.62 of one
+        thread's time under the global policy, 0.77-0.78 under the hierarchical one).
 
     Returns
     -------
