@@ -31,11 +31,14 @@ def _chain_from(size, gpu_exp, cur, load, target, tol, k, j, by_rise, mark, stam
     step leaves the least slack over its excess (lowest GPU, slot among equals). Returns
     ``(m, span)``: the longest prefix that ``k`` can close (it must not hold the last replica's
     expert) and its total rise; the chain is in ``ch_g[:m], ch_i[:m]`` (``chain = (ch_g,
-    ch_i)``). ``hs = (hs_g, hs_i, hs_size, hs_exc)``: the slots of the GPUs above ``target`` (by
-    increasing GPU, then slot), their replica sizes and their GPU's excess.
+    ch_i)``). ``hs = (hs_g, hs_i, hs_size, hs_exc, hs_q, min_exc)``: the slots of the GPUs above
+    ``target`` by increasing replica size (``hs_q``: the rank of the slot by GPU, then slot,
+    which breaks ties), their GPU's excess, and the smallest excess. Each step scans only the
+    slots whose size lies in the window its two conditions allow (by bisection, widened by
+    ``1e-9`` relative for rounding).
     """
     ch_g, ch_i = chain
-    hs_g, hs_i, hs_size, hs_exc = hs
+    hs_g, hs_i, hs_size, hs_exc, hs_q, min_exc = hs
     room = target - load[k]
     c = gpu_exp[k, j]
     s_in = size[c]
@@ -44,27 +47,29 @@ def _chain_from(size, gpu_exp, cur, load, target, tol, k, j, by_rise, mark, stam
     m = 0
     best_m = 0
     best_rise = 0.0
+    n = hs_g.shape[0]
     while True:
+        margin = 1e-9 * (abs(target) + abs(s_in) + abs(room) + abs(rise))
+        first = np.searchsorted(hs_size, s_in + min_exc - tol - margin, side="left")
+        last = np.searchsorted(hs_size, s_in + (room + tol - rise) + margin, side="right")
         bh = -1
         bi = -1
+        bq = n
         bslack = np.inf
-        skip = -1  # a GPU found marked or holding e_in: its other slots are skipped
-        for q in range(hs_g.shape[0]):
-            h = hs_g[q]
-            if h == skip:
-                continue
+        for t in range(first, last):
+            h = hs_g[t]
             if mark[h] == stamp or cur[h, e_in] > 0:
-                skip = h
                 continue
-            exc = hs_exc[q]
-            d = hs_size[q] - s_in
+            exc = hs_exc[t]
+            d = hs_size[t] - s_in
             if d < exc - tol or rise + d > room + tol:
                 continue
             key = d if by_rise else d - exc
-            if key < bslack:
+            if key < bslack or (key == bslack and hs_q[t] < bq):
                 bslack = key
                 bh = h
-                bi = hs_i[q]
+                bi = hs_i[t]
+                bq = hs_q[t]
         if bh < 0:
             break
         mark[bh] = stamp
@@ -118,7 +123,15 @@ def cycles(size, gpu_exp, cur, load, target, budget, hold, moves, cur_tmp):
                     n_hs += 1
         if n_hs == 0:
             break
-        hs = (hs_g[:n_hs], hs_i[:n_hs], hs_size[:n_hs], hs_exc[:n_hs])
+        by_size = np.argsort(hs_size[:n_hs], kind="mergesort")
+        hs = (
+            hs_g[by_size],
+            hs_i[by_size],
+            hs_size[by_size],
+            hs_exc[by_size],
+            by_size,
+            hs_exc[:n_hs].min(),
+        )
         nc = 0
         for g in range(num_gpus):
             if load[g] < target - tol:
@@ -130,6 +143,12 @@ def cycles(size, gpu_exp, cur, load, target, budget, hold, moves, cur_tmp):
         for q in range(nc * slots * 2):
             k = closers[q // (2 * slots)]
             j = (q // 2) % slots
+            # A chain closed by k fixes at most its rise plus tol per GPU, its rise at most k's
+            # room plus tol: once that cannot reach the best, neither can the closers after k
+            # (by decreasing room).
+            reach = (target - load[k]) + (n_hs + 1) * tol
+            if reach + 1e-9 * (abs(target) + abs(reach)) < best_fixed * (1.0 - REL_TOL):
+                break
             stamp += 1
             m, rise = _chain_from(
                 size, gpu_exp, cur, load, target, tol, k, j, q % 2 == 1, mark, stamp,
