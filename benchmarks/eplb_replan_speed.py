@@ -15,9 +15,7 @@ Run: ``LBKIT_DEEPSEEK_EPLB=/path/to/eplb.py python benchmarks/eplb_replan_speed.
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -26,11 +24,9 @@ from lbkit.eplb import moe_lb, rebalance_experts
 from lbkit.eplb.replan import replan_experts
 from run_record import (
     REPLAN_SHAPES,
-    ROOT,
     deepseek_eplb,
-    git_commit,
-    load_avg,
     replan_loads,
+    rounds_run,
     write_results,
 )
 
@@ -45,18 +41,7 @@ def timed(func, *args, **kwargs):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--json", help="write the table to this file")
-    a = ap.parse_args()
-    if a.rounds < 1:
-        ap.error("--rounds: must be at least 1")
-    start = time.perf_counter()
-    out = {
-        "command": " ".join(["python", "benchmarks/eplb_replan_speed.py", *sys.argv[1:]]),
-        "commit": git_commit(ROOT),
-        "load_avg_start": load_avg(),
-    }
+    a, start, out = rounds_run("eplb_replan_speed.py", __doc__.split("\n")[0], 3)
     lbkit.warmup(packages=("eplb",))
     ds, torch = deepseek_eplb()
     w0, w1, name = replan_loads()

@@ -18,16 +18,14 @@ python benchmarks/eplb_two_slot_peers.py [--rounds N] [--json out.json]``.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import os
-import sys
 import time
 from pathlib import Path
 
 import lbkit
 from lbkit.eplb import lower_bound, moe_lb, rebalance_experts, synthetic_expert_load
-from run_record import ROOT, deepseek_eplb, git_commit, load_avg, replan_loads, write_results
+from run_record import deepseek_eplb, replan_loads, rounds_run, write_results
 
 #: (slots, GPUs, loads) of the table; loads "v3": the DeepSeek-V3 loads, "v2lite": 26 x 64.
 SHAPES = ((288, 144, "v3"), (320, 160, "v3"), (128, 64, "v2lite"))
@@ -62,18 +60,7 @@ def best_of(rounds: int, calls: dict) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--json", help="write the table to this file")
-    a = ap.parse_args()
-    if a.rounds < 1:
-        ap.error("--rounds: must be at least 1")
-    start = time.perf_counter()
-    out = {
-        "command": " ".join(["python", "benchmarks/eplb_two_slot_peers.py", *sys.argv[1:]]),
-        "commit": git_commit(ROOT),
-        "load_avg_start": load_avg(),
-    }
+    a, start, out = rounds_run("eplb_two_slot_peers.py", __doc__.split("\n")[0], 7)
     lbkit.warmup(packages=("eplb",))
     ds, torch = deepseek_eplb()
     vec = sglang_vec()

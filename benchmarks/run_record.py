@@ -25,6 +25,7 @@ __all__ = [
     "load_avg",
     "log",
     "replan_loads",
+    "rounds_run",
     "write_results",
 ]
 
@@ -126,6 +127,26 @@ def write_results(out: dict, path: Path | None, start: float) -> None:
         path.write_text(text + "\n")
     else:
         print(text)
+
+
+def rounds_run(script: str, description: str, default_rounds: int):
+    """Start a benchmark timed over alternating rounds: parse ``--rounds`` (at least 1) and
+    ``--json``, and begin its record (command, commit, load average). Returns ``(args, start,
+    out)``, ``start`` the perf_counter for :func:`write_results`."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--rounds", type=int, default=default_rounds)
+    ap.add_argument("--json", help="write the table to this file")
+    args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error("--rounds: must be at least 1")
+    out = {
+        "command": " ".join(["python", f"benchmarks/{script}", *sys.argv[1:]]),
+        "commit": git_commit(ROOT),
+        "load_avg_start": load_avg(),
+    }
+    return args, time.perf_counter(), out
 
 
 def replan_loads():
