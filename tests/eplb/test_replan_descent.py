@@ -1,4 +1,4 @@
-"""The count-change search of the excess descent (``_replan_descent._best_count_change``)
+"""The count-change and swap searches of the excess descent (``_replan_descent``)
 against brute force: every slot of every GPU given to every other expert, the reduction of the
 total excess recomputed from scratch, the rule of the docstring (a free step beats every paid
 one; then the largest reduction, per move when paid; the first in (GPU, slot, expert) order).
@@ -131,3 +131,63 @@ def test_count_change_search_jit_parity(state):
     fast = kernel_best_change(D._best_count_change, *args)
     slow = kernel_best_change(D._best_count_change.py_func, *args)
     assert tuple(fast) == tuple(slow)
+
+
+def brute_best_swap(size, cur, hold, gpu_exp, load, target, budget, moves, best):
+    """``(found, free, score, h, i, k, j)`` of the best swap beating ``best = (free, score)``
+    by enumeration in (h, i, k, j) order: replica ``a`` of a GPU above the target for a smaller
+    ``b`` of a GPU at or below it that holds no ``a`` (``h`` no ``b``)."""
+    g_count, slots = gpu_exp.shape
+    tol = REL_TOL * target
+    before = excess_total(load, target)
+    found = None
+    key_best = best
+    for h in range(g_count):
+        if load[h] <= target + tol:
+            continue
+        for i in range(slots):
+            a = gpu_exp[h, i]
+            for k in range(g_count):
+                if k == h or load[k] > target or cur[k, a] > 0:
+                    continue
+                for j in range(slots):
+                    b = gpu_exp[k, j]
+                    if size[a] - size[b] <= tol or cur[h, b] > 0:
+                        continue
+                    exp = gpu_exp.copy()
+                    exp[h, i], exp[k, j] = b, a
+                    red = before - excess_total(size[exp].sum(axis=1), target)
+                    if red <= tol:
+                        continue
+                    cost = (
+                        (-1 if cur[h, a] > hold[h, a] else 0)
+                        + (1 if cur[h, b] >= hold[h, b] else 0)
+                        + (-1 if cur[k, b] > hold[k, b] else 0)
+                        + (1 if cur[k, a] >= hold[k, a] else 0)
+                    )
+                    if moves + cost > budget:
+                        continue
+                    key = (cost <= 0, red if cost <= 0 else red / cost)
+                    if key > key_best:  # strictly better; ties keep the first
+                        key_best = key
+                        found = (h, i, k, j)
+    if found is None:
+        return False, None, None, -1, -1, -1, -1
+    return True, *key_best, *found
+
+
+@given(descent_states(), st.sampled_from([(False, 0.0), (True, 0.0), (False, 6.0), (True, 6.0)]))
+def test_swap_search_is_the_best_by_brute_force(state, best):
+    """The swap search (GPUs visited by decreasing room, ties by (h, i, k, j)) against
+    enumeration, from no best step and from a free or paid best of another kind (which wins
+    ties)."""
+    w, size, _cnt, hold, cur, gpu_exp, load, target, budget = state
+    moves = count_moves(hold, gpu_exp, np.zeros(len(w), dtype=np.int64))
+    args = (size, hold, cur, gpu_exp, load, target, budget, moves, *best)
+    got = D._best_swap(*args)
+    assert tuple(got) == tuple(D._best_swap.py_func(*args))
+    want = brute_best_swap(size, cur, hold, gpu_exp, load, target, budget, moves, best)
+    assert bool(got[0]) == want[0]
+    if want[0]:
+        assert (bool(got[1]), float(got[2])) == (want[1], want[2])
+        assert tuple(int(x) for x in got[3:]) == want[3:]

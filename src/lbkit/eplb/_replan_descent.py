@@ -283,6 +283,10 @@ def _best_swap(size, hold, cur, gpu_exp, load, target, budget, moves, best_free,
     (plus a slack above rounding) cannot beat the best step at the fewest moves a swap of
     ``a`` with ``k`` can cost: ``[k never held a] - [a is a move on h]``, less one if ``k``
     holds a replica that is a move (only such a ``b`` can lower the cost by leaving ``k``).
+    The GPUs ``k`` are visited by decreasing room, so that a large reduction is found early and,
+    when the best step is free, the first ``k`` whose bound cannot beat it ends the search for
+    that slot. The step is the first of the best in ``(h, i, k, j)`` order whatever the visiting
+    order (an equal swap earlier in ``(k, j)`` at the same slot replaces the best one).
     """
     num_gpus, slots = gpu_exp.shape
     tol = REL_TOL * target
@@ -295,6 +299,14 @@ def _best_swap(size, hold, cur, gpu_exp, load, target, budget, moves, best_free,
             e = gpu_exp[k, j]
             if cur[k, e] > hold[k, e]:
                 k_moved[k] = True
+    # GPUs at or below the target by decreasing room: a large reduction is found early, and
+    # once a free best step bounds one GPU's swaps it bounds those after it (ties: lowest
+    # (k, j) for the same (h, i), as in index order)
+    by_room = np.argsort(load, kind="mergesort")
+    n_light = 0
+    while n_light < num_gpus and load[by_room[n_light]] <= target:
+        n_light += 1
+    incoming = True  # the best so far is the caller's (an earlier kind: it wins ties)
     for h in range(num_gpus):
         if load[h] <= target + tol:
             continue
@@ -302,15 +314,16 @@ def _best_swap(size, hold, cur, gpu_exp, load, target, budget, moves, best_free,
         for i in range(slots):
             a = gpu_exp[h, i]
             a_moved = 1 if cur[h, a] > hold[h, a] else 0
-            for k in range(num_gpus):
-                if k == h or load[k] > target or cur[k, a] > 0:
+            for r in range(n_light):
+                k = by_room[r]
+                if k == h or cur[k, a] > 0:
                     continue
                 bound = min(h_exc, target - load[k]) + slack
+                if best_free and bound <= best_score:
+                    break  # nor can any GPU after it (less room)
                 cmin = (1 if hold[k, a] == 0 else 0) - a_moved - (1 if k_moved[k] else 0)
                 if cmin > 0 and (best_free or bound <= best_score * cmin):
                     continue  # every swap here costs moves and cannot beat the best step
-                if best_free and bound <= best_score:
-                    continue
                 for j in range(slots):
                     b = gpu_exp[k, j]
                     d = size[a] - size[b]
@@ -329,10 +342,18 @@ def _best_swap(size, hold, cur, gpu_exp, load, target, budget, moves, best_free,
                         continue
                     score = _step_score(red, cost, best_free, best_score)
                     if score < 0.0:
-                        continue
+                        # equal to the best swap, at the same (h, i) and earlier in (k, j)
+                        if incoming or h != bh or i != bi or (cost <= 0) != best_free:
+                            continue
+                        if (red if cost <= 0 else red / cost) != best_score:
+                            continue
+                        if k > bk or (k == bk and j > bj):
+                            continue
+                        score = best_score
                     best_free = cost <= 0
                     best_score = score
                     found = True
+                    incoming = False
                     bh = h
                     bi = i
                     bk = k
