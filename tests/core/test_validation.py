@@ -84,3 +84,22 @@ def test_torch_tensors_are_converted_when_torch_is_installed():
     torch = pytest.importorskip("torch")
     out = as_float_array(torch.tensor([[1, 2]]), "x", ndim=2)
     assert isinstance(out, np.ndarray) and out.tolist() == [[1.0, 2.0]]
+
+
+def test_read_only_and_unaligned_arrays_come_back_writeable_and_aligned():
+    """Compiled kernels are specialised on writeable, aligned arrays: validation copies the
+    other kinds (and returns a writeable input itself)."""
+    ro = np.arange(6.0)
+    ro.flags.writeable = False
+    got = as_float_array(ro, "w")
+    assert got.flags.writeable and np.array_equal(got, ro)
+    ints = np.arange(6)
+    ints.flags.writeable = False
+    assert as_int_array(ints, "x").flags.writeable
+    raw = np.zeros(8 * 6 + 1, dtype=np.uint8)
+    unaligned = np.frombuffer(raw.data, dtype=np.float64, count=6, offset=1)
+    assert not unaligned.flags.aligned
+    fixed = as_float_array(unaligned, "w")
+    assert fixed.flags.aligned and fixed.flags.writeable
+    mine = np.arange(6.0)
+    assert as_float_array(mine, "w") is mine

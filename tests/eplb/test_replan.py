@@ -413,3 +413,19 @@ def test_level_search_re_plans_fewer_levels_and_stops_at_a_settled_choice(seed, 
                 ), (layer, k)
     assert total <= cap * (1 + 1e-12)
     assert checked >= 3  # most layers take a re-planned level
+
+
+def test_read_only_inputs_plan_and_replan_as_writeable_ones():
+    """A read-only weight and old plan (a buffer, a memory map) give the same plans: validation
+    hands the kernels writeable copies, whose compiled code exists."""
+    w = np.random.default_rng(9).lognormal(0, 1.0, (3, 64)) * 100
+    old = rebalance_experts(w, 80, 8, 2, 16, policy="hierarchical").phy2log
+    w2 = drift(w, sigma=0.1, rng=2)
+    ro_w, ro_old = w2.copy(), old.copy()
+    ro_w.flags.writeable = ro_old.flags.writeable = False
+    for policy in ("global", "hierarchical"):
+        a = replan_experts(w2, old, 80, 8, 2, 16, policy=policy)
+        b = replan_experts(ro_w, ro_old, 80, 8, 2, 16, policy=policy)
+        assert np.array_equal(a.plan.phy2log, b.plan.phy2log)
+        fa = rebalance_experts(w2, 80, 8, 2, 16, policy=policy).phy2log
+        assert np.array_equal(fa, rebalance_experts(ro_w, 80, 8, 2, 16, policy=policy).phy2log)

@@ -22,7 +22,7 @@ from lbkit.core._jit import jit_disabled, jit_mode
 from lbkit.eplb._regroup import old_partition
 from lbkit.eplb._replan_candidates import matched_fresh, regrouped, row_lb
 from lbkit.eplb._replan_choice import select
-from lbkit.eplb._replan_layer import ReplanArgs, replan_nodes
+from lbkit.eplb._replan_layer import ReplanArgs, replan_nodes, replan_nodes_levels
 from lbkit.eplb.balanced import balanced_rebalance
 from lbkit.eplb.bounds import moe_lb
 
@@ -32,13 +32,20 @@ __all__ = ["replan_kernels_ready", "replan_matched"]
 def replan_kernels_ready() -> bool:
     """Whether a re-plan runs its full searches: with ``LBKIT_JIT=inline`` (they compile on
     the call) or without numba's JIT (nothing will ever be compiled: the caller asked for Python
-    throughout), or when the search kernel is loaded or on disk for the argument types every
-    layer uses."""
+    throughout), or when the search kernels (one level, and the levels of a layer at once) are
+    loaded or on disk for the argument types every layer uses: the compiler writes them one
+    after the other, and a re-plan between the two would run the second as Python."""
     if jit_mode() == "inline" or jit_disabled():
         return True
     grid = np.zeros((1, 1), dtype=np.int64)
     row = np.zeros(1, dtype=np.int64)
-    return replan_nodes.is_compiled(np.zeros((1, 1)), grid[None], grid, row, row, 1.0, 1, row)
+    w = np.zeros((1, 1))
+    if not replan_nodes.is_compiled(w, grid[None], grid, row, row, 1.0, 1, row):
+        return False
+    levels = np.zeros(1)
+    return replan_nodes_levels.is_compiled(
+        w, grid[None], grid, row, row, levels, 1, levels, levels, 1.0, grid
+    )
 
 
 def replan_matched(args: ReplanArgs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

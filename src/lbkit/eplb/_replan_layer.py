@@ -570,8 +570,8 @@ def replan_layer(
 
 
 def warmup() -> None:
-    """Compile :func:`replan_nodes`, :func:`replan_subproblem` and :func:`place_slots` (or load
-    them from the disk cache) on a tiny input."""
+    """Compile :func:`replan_nodes`, :func:`replan_nodes_levels`, :func:`replan_subproblem` and
+    :func:`place_slots` (or load them from the disk cache) on a tiny input."""
     w = np.array([4.0, 3.0, 2.0, 1.0])
     old = np.array([[0, 1], [2, 3], [0, 1]], dtype=np.int64)
     out = np.empty_like(old)
