@@ -36,6 +36,21 @@ def test_the_test_session_runs_the_full_search():
     assert replan_kernels_ready()  # LBKIT_JIT=inline (conftest.py): kernels compile on the call
 
 
+@pytest.mark.parametrize("one, levels", [(True, False), (False, True), (True, True)])
+def test_the_full_search_waits_for_both_search_kernels(one, levels):
+    """The compiler writes the one-level and the all-levels kernels one after the other: a
+    re-plan between the two must not run the second as Python."""
+    from lbkit.eplb import _replan_first, _replan_layer
+
+    with (
+        mock.patch.object(_replan_first, "jit_mode", lambda: "background"),
+        mock.patch.object(_replan_first, "jit_disabled", lambda: False),
+        mock.patch.object(_replan_layer.replan_nodes, "is_compiled", lambda *a: one),
+        mock.patch.object(_replan_layer.replan_nodes_levels, "is_compiled", lambda *a: levels),
+    ):
+        assert replan_kernels_ready() == (one and levels)
+
+
 @given(replan_cases(), st.sampled_from([None, 0, 1, 3]), st.sampled_from([0.0, 0.01, 0.05]))
 def test_first_replans_are_valid_never_worse_and_within_the_tolerance(case, budget, tol):
     w, old, r, k, n, g, policy = case
