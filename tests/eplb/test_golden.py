@@ -96,6 +96,7 @@ def test_python_twins_reach_no_compiled_kernel():
             _bound_kernels.lower_bound_layers,
             _replan_layer.replan_subproblem,
             _replan_layer.replan_nodes,
+            _replan_layer.replan_nodes_levels,
             _replan_layer.place_slots,
         )
     ]

@@ -209,6 +209,19 @@ def gpu_loads(size, gpu_exp, load):
 
 
 @jit
+def holds_move(gpu_exp, cur, hold, out):
+    """``out[g]``: GPU ``g`` holds a replica that is a move (more of its expert than the old
+    plan put there)."""
+    num_gpus, slots = gpu_exp.shape
+    for g in range(num_gpus):
+        out[g] = False
+        for i in range(slots):
+            e = gpu_exp[g, i]
+            if cur[g, e] > hold[g, e]:
+                out[g] = True
+
+
+@jit
 def count_moves(hold, gpu_exp, cur):
     """Moves of ``gpu_exp`` against the old per-GPU holdings ``hold[g, e]`` (``cur``: a zeroed
     scratch array of ``E`` counts, zeroed again on return)."""

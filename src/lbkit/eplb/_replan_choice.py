@@ -204,7 +204,8 @@ class _Levels:
 
     def compute_all(self) -> None:
         """:meth:`compute` at every level, loose first; the re-plans of all levels in one kernel
-        call (:func:`replan_levels`; the levels a looser result meets are computed and unused)."""
+        call (:func:`replan_levels`, which leaves out the levels a looser result certainly
+        meets)."""
         replan_levels(self.args, self.ctx, self.layer, self.levels, self.budget)
         for j in range(len(self.levels)):
             self.compute(j)

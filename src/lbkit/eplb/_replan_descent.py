@@ -30,6 +30,7 @@ from lbkit.eplb._primitives import (
     excess,
     gpu_loads,
     holders,
+    holds_move,
     replace_cost,
     swap_cost,
 )
@@ -293,12 +294,8 @@ def _best_swap(size, hold, cur, gpu_exp, load, target, budget, moves, best_free,
     slack = 1e-9 * target
     found = False
     bh = bi = bk = bj = -1
-    k_moved = np.zeros(num_gpus, dtype=np.bool_)  # k holds a replica that is a move
-    for k in range(num_gpus):
-        for j in range(slots):
-            e = gpu_exp[k, j]
-            if cur[k, e] > hold[k, e]:
-                k_moved[k] = True
+    k_moved = np.empty(num_gpus, dtype=np.bool_)  # k holds a replica that is a move
+    holds_move(gpu_exp, cur, hold, k_moved)
     # GPUs at or below the target by decreasing room: a large reduction is found early, and
     # once a free best step bounds one GPU's swaps it bounds those after it (ties: lowest
     # (k, j) for the same (h, i), as in index order)

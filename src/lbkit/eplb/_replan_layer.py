@@ -437,7 +437,9 @@ def replan_nodes_levels(
     levels = targets.shape[0]
     num_gpus = old_nodes.shape[0] * old_nodes.shape[1]
     per = old_nodes.shape[2]
-    cnt = np.zeros(w.shape[0], dtype=np.int64)
+    cnt = np.empty(w.shape[0], dtype=np.int64)
+    size = np.empty(w.shape[0])
+    load = np.empty(num_gpus)
     used = np.full(levels, -1, dtype=np.int64)
     best = np.inf
     for k in range(levels):
@@ -448,17 +450,13 @@ def replan_nodes_levels(
         )
         if used[k] < 1 or used[k] > budget:
             continue
+        cnt[:] = 0
         for e in rows[k]:
             cnt[e] += 1
-        top = 0.0
-        for g in range(num_gpus):
-            s = 0.0
-            for i in range(per):
-                e = rows[k, g * per + i]
-                s += w[e] / cnt[e]
-            top = max(top, s)
-        for e in rows[k]:
-            cnt[e] = 0
+        for e in range(w.shape[0]):
+            size[e] = w[e] / cnt[e] if cnt[e] > 0 else 0.0
+        gpu_loads(size, rows[k].reshape(num_gpus, per), load)
+        top = load[argmax(load)]
         if top <= useful:
             best = min(best, top)
     return used

@@ -19,6 +19,7 @@ from lbkit.eplb._primitives import (
     count_moves,
     gpu_loads,
     holders,
+    holds_move,
     insert_sorted,
     replace_cost,
     swap_cost,
@@ -201,18 +202,13 @@ def reclaim(w, hold, gpu_exp, cap, max_steps):
     load = np.empty(num_gpus)
     start = np.zeros(num_log + 1, dtype=np.int64)
     gpus = np.empty(num_gpus * slots, dtype=np.int64)
-    k_moved = np.zeros(num_gpus, dtype=np.bool_)  # GPU k holds a replica that is a move
+    k_moved = np.empty(num_gpus, dtype=np.bool_)  # GPU k holds a replica that is a move
     lim = cap * (1.0 + REL_TOL)
     for _step in range(max_steps):
         for e in range(num_log):
             size[e] = w[e] / cnt[e]
         gpu_loads(size, gpu_exp, load)
-        for k in range(num_gpus):
-            k_moved[k] = False
-            for j in range(slots):
-                b = gpu_exp[k, j]
-                if cur[k, b] > hold[k, b]:
-                    k_moved[k] = True
+        holds_move(gpu_exp, cur, hold, k_moved)
         best_save = 0
         best_top = 0.0
         kind = -1
