@@ -99,6 +99,35 @@ def test_every_plan_is_valid(method, inst):
     assert plan.log2phy.shape[2] == plan.logcnt.max()
 
 
+@pytest.mark.parametrize("method", sorted(METHODS))
+@given(inst=instances(max_layers=9))
+def test_threads_do_not_change_the_plan(method, inst):
+    """Blocks of layers planned on several threads give the plan of one thread."""
+    weight, r, k, n, g, policy = inst
+    one = rebalance_experts(weight, r, k, n, g, method=method, policy=policy, workers=1)
+    for workers in (2, 3):
+        many = rebalance_experts(weight, r, k, n, g, method=method, policy=policy, workers=workers)
+        for a, b in zip(one, many, strict=True):
+            assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize(("experts", "replicas", "gpus"), [(64, 128, 64), (64, 96, 16)])
+def test_threads_do_not_change_the_plan_at_engine_sizes(experts, replicas, gpus):
+    """Two slots per GPU (the pairing search) and six (the count search), 12 layers."""
+    weight = np.random.default_rng(7).lognormal(0.0, 1.0, size=(12, experts))
+    one = rebalance_experts(weight, replicas, 8, 1, gpus, workers=1)
+    two = rebalance_experts(weight, replicas, 8, 1, gpus, workers=2)
+    assert np.array_equal(one.phy2log, two.phy2log)
+
+
+@pytest.mark.parametrize(
+    ("workers", "error"), [(0, ValueError), (1.5, TypeError), ("2", TypeError)]
+)
+def test_bad_workers_are_refused(workers, error):
+    with pytest.raises(error, match="workers"):
+        rebalance_experts(README_WEIGHT, 16, 4, 2, 8, workers=workers)
+
+
 @given(inst=instances())
 def test_default_is_never_worse_than_greedy_and_never_beats_the_bound(inst):
     weight, r, k, n, g, policy = inst

@@ -4,7 +4,6 @@ docstring states the rules)."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple, TypeVar
@@ -28,7 +27,6 @@ from lbkit.eplb.bounds import lower_bound, moe_lb
 __all__ = [
     "Candidate",
     "Context",
-    "available_cpus",
     "context",
     "map_layers",
     "matched_fresh",
@@ -42,13 +40,6 @@ __all__ = [
 
 T = TypeVar("T")
 R = TypeVar("R")
-
-
-def available_cpus() -> int:
-    """CPUs this process may run on (its affinity where the platform reports one)."""
-    if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return max(1, os.cpu_count() or 1)  # pragma: no cover - platforms without affinity
 
 
 def map_layers(args: ReplanArgs, func: Callable[[T], R], items: Iterable[T]) -> list[R]:
@@ -121,7 +112,13 @@ def context(args: ReplanArgs) -> Context:
         )
     policy = "hierarchical" if p.hierarchical else "global"
     fresh = balanced_rebalance(
-        w, p.num_replicas, args.num_groups, args.num_nodes, p.num_gpus, policy=policy
+        w,
+        p.num_replicas,
+        args.num_groups,
+        args.num_nodes,
+        p.num_gpus,
+        policy=policy,
+        workers=args.workers,
     ).phy2log
     fresh_lb = moe_lb(w, fresh, num_gpus=p.num_gpus)
     bounds = _node_bounds(w, partitions, args)

@@ -59,7 +59,13 @@ def replan_matched(args: ReplanArgs) -> tuple[np.ndarray, np.ndarray, np.ndarray
     layers, experts = w.shape
     policy = "hierarchical" if p.hierarchical else "global"
     fresh = balanced_rebalance(
-        w, p.num_replicas, args.num_groups, args.num_nodes, p.num_gpus, policy=policy
+        w,
+        p.num_replicas,
+        args.num_groups,
+        args.num_nodes,
+        p.num_gpus,
+        policy=policy,
+        workers=args.workers,
     ).phy2log
     fresh_lb = moe_lb(w, fresh, num_gpus=p.num_gpus)
     old_lb = moe_lb(w, prev, num_gpus=p.num_gpus)

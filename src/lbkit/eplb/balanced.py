@@ -60,6 +60,7 @@ from lbkit.eplb._count_search import solve_subproblem
 from lbkit.eplb._exact import EXACT_MAX_REPLICAS
 from lbkit.eplb._partition import PARTITION_BUDGET, partition_groups
 from lbkit.eplb._plan import EplbPlan, finish_plan, rebalance_iv
+from lbkit.eplb._threads import on_blocks, resolve_workers
 from lbkit.eplb._two_slot import solve_two_slot
 from lbkit.eplb.greedy import greedy_plan
 
@@ -97,10 +98,13 @@ def balanced_rebalance(
     /,
     *,
     policy: str | None = None,
+    workers: Any = None,
 ) -> EplbPlan:
     """Plan replicas with lbkit's default method (see the module docstring).
 
-    Parameters and returns as in :func:`lbkit.eplb.rebalance_experts`.
+    Parameters and returns as in :func:`lbkit.eplb.rebalance_experts`. Blocks of layers are
+    planned on ``workers`` threads once the kernels are compiled (:mod:`lbkit.eplb._threads`);
+    the plan does not depend on ``workers``.
 
     Runtime complexity: per layer, that of
     :func:`lbkit.eplb._count_search.solve_subproblem` (or, two slots per GPU,
@@ -121,17 +125,29 @@ def balanced_rebalance(
     problem = rebalance_iv(weight, num_replicas, num_groups, num_nodes, num_gpus, policy)
     w = problem.weight
     layers, experts = w.shape
-    args = (w, problem.num_replicas, problem.num_groups, problem.num_nodes, problem.num_gpus)
+    workers = resolve_workers(workers, layers)
+    sizes = (problem.num_replicas, problem.num_groups, problem.num_nodes, problem.num_gpus)
     phy2log = np.empty((layers, problem.num_replicas), dtype=np.int64)
     logcnt = np.empty((layers, experts), dtype=np.int64)
-    if uses_two_slot_plan(problem.num_replicas, problem.num_nodes, problem.num_gpus):
-        two_slot_plan(*args, STOP_GAP, phy2log, logcnt)
-    else:
-        default_plan(*args, COUNT_SEARCH_EVALS, STOP_GAP, phy2log, logcnt)
+    w32 = w.astype(np.float32)
     g_phy2log = np.empty_like(phy2log)
     g_rank = np.empty_like(phy2log)
     g_logcnt = np.empty_like(logcnt)
-    greedy_plan(w.astype(np.float32), *args[1:], g_phy2log, g_rank, g_logcnt)
+    if uses_two_slot_plan(problem.num_replicas, problem.num_nodes, problem.num_gpus):
+        kernel, knobs = two_slot_plan, (STOP_GAP,)
+    else:
+        kernel, knobs = default_plan, (COUNT_SEARCH_EVALS, STOP_GAP)
+
+    def plan(rows: slice) -> None:
+        kernel(w[rows], *sizes, *knobs, phy2log[rows], logcnt[rows])
+        greedy_plan(w32[rows], *sizes, g_phy2log[rows], g_rank[rows], g_logcnt[rows])
+
+    if workers > 1 and not (
+        kernel.is_compiled(w, *sizes, *knobs, phy2log, logcnt)
+        and greedy_plan.is_compiled(w32, *sizes, g_phy2log, g_rank, g_logcnt)
+    ):
+        workers = 1  # kernels running as Python hold the GIL: threads would only add overhead
+    on_blocks(plan, layers, workers)
     ours = _max_gpu_load(w, phy2log, logcnt, problem.num_gpus)
     theirs = _max_gpu_load(w, g_phy2log, g_logcnt, problem.num_gpus)
     use_greedy = theirs < ours * (1.0 - 1e-12)

@@ -32,6 +32,7 @@ import numpy as np
 
 from lbkit.core._jit import entry, jit
 from lbkit.eplb._plan import EplbPlan, finish_plan, rebalance_iv
+from lbkit.eplb._threads import on_blocks, resolve_workers
 
 __all__ = ["balanced_packing", "greedy_plan", "greedy_rebalance", "warmup"]
 
@@ -45,10 +46,12 @@ def greedy_rebalance(
     /,
     *,
     policy: str | None = None,
+    workers: Any = None,
 ) -> EplbPlan:
     """Plan replicas with DeepSeek's greedy algorithm (see the module docstring).
 
-    Parameters and returns as in :func:`lbkit.eplb.rebalance_experts`.
+    Parameters and returns as in :func:`lbkit.eplb.rebalance_experts` (blocks of layers on
+    ``workers`` threads once the kernel is compiled; the plan does not depend on it).
 
     Runtime complexity: O(layers × (R × E + R log R + R × G)) for ``R`` replicas, ``E`` experts
     and ``G`` GPUs.
@@ -69,16 +72,16 @@ def greedy_rebalance(
     phy2log = np.empty((layers, problem.num_replicas), dtype=np.int64)
     phyrank = np.empty_like(phy2log)
     logcnt = np.empty((layers, experts), dtype=np.int64)
-    greedy_plan(
-        _as_float32(problem.weight),
-        problem.num_replicas,
-        problem.num_groups,
-        problem.num_nodes,
-        problem.num_gpus,
-        phy2log,
-        phyrank,
-        logcnt,
-    )
+    w32 = _as_float32(problem.weight)
+    sizes = (problem.num_replicas, problem.num_groups, problem.num_nodes, problem.num_gpus)
+    workers = resolve_workers(workers, layers)
+    if workers > 1 and not greedy_plan.is_compiled(w32, *sizes, phy2log, phyrank, logcnt):
+        workers = 1  # the kernel running as Python holds the GIL
+
+    def plan(rows: slice) -> None:
+        greedy_plan(w32[rows], *sizes, phy2log[rows], phyrank[rows], logcnt[rows])
+
+    on_blocks(plan, layers, workers)
     return finish_plan(problem, phy2log, logcnt, phyrank)
 
 

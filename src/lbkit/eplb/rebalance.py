@@ -40,6 +40,7 @@ def rebalance_experts(
     policy: str | None = None,
     previous_phy2log: Any = None,
     max_moves: Any = None,
+    workers: Any = None,
 ) -> EplbPlan:
     """Replicate experts into ``num_replicas`` slots and place the slots on GPUs.
 
@@ -70,6 +71,10 @@ def rebalance_experts(
         offers a total budget and tolerances); ``method`` then does not apply.
     max_moves : int or array_like of int, shape (layers,), optional
         With ``previous_phy2log``: at most this many replica moves per layer.
+    workers : int, optional
+        Threads that plan blocks of layers (default: the CPUs this process may run on). The
+        layers are independent and the compiled kernels release the GIL, so the plan is the
+        same for every value; while the kernels are not compiled yet, one thread is used.
 
     Returns
     -------
@@ -113,7 +118,10 @@ def rebalance_experts(
             num_gpus,
             policy=policy,
             max_moves=max_moves,
+            workers=workers,
         ).plan
     if max_moves is not None:
         raise ValueError("max_moves: applies only with previous_phy2log (a plan to re-plan from)")
-    return METHODS[method](weight, num_replicas, num_groups, num_nodes, num_gpus, policy=policy)
+    return METHODS[method](
+        weight, num_replicas, num_groups, num_nodes, num_gpus, policy=policy, workers=workers
+    )

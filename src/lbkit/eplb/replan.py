@@ -95,10 +95,11 @@ import numpy as np
 from lbkit.core.validation import as_int_array, check_choice, check_int, check_real
 from lbkit.eplb._plan import EplbPlan, finish_plan, rebalance_iv
 from lbkit.eplb._regroup import old_partition
-from lbkit.eplb._replan_candidates import available_cpus, replan_all
+from lbkit.eplb._replan_candidates import replan_all
 from lbkit.eplb._replan_choice import DEFAULT_TOLERANCE, replan_mean, replan_total
 from lbkit.eplb._replan_first import replan_kernels_ready, replan_matched
 from lbkit.eplb._replan_layer import ReplanArgs
+from lbkit.eplb._threads import resolve_workers
 from lbkit.eplb.bounds import moe_lb
 
 __all__ = [
@@ -249,9 +250,7 @@ def replan_iv(
     tolerance = check_real(tolerance, "tolerance", min_value=0.0)
     regroup_tolerance = check_real(regroup_tolerance, "regroup_tolerance", min_value=0.0)
     scope = check_choice(tolerance_scope, "tolerance_scope", TOLERANCE_SCOPES)
-    if workers is None:
-        workers = available_cpus()
-    workers = min(check_int(workers, "workers", min_value=1), layers)
+    workers = resolve_workers(workers, layers)
     return ReplanArgs(
         problem,
         prev,
