@@ -12,7 +12,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lbkit.eplb import _replan_descent as D
-from lbkit.eplb._primitives import REL_TOL, count_moves, holders
+from lbkit.eplb import _replan_swaps as W
+from lbkit.eplb._primitives import (
+    REL_TOL,
+    apply_replace,
+    apply_swap,
+    count_moves,
+    gpu_loads,
+    holders,
+)
 
 #: Loads are multiples of this (the least common multiple of 1..4), so that every replica
 #: size ``w / cnt`` with ``cnt <= 4`` is an integer.
@@ -184,10 +192,54 @@ def test_swap_search_is_the_best_by_brute_force(state, best):
     w, size, _cnt, hold, cur, gpu_exp, load, target, budget = state
     moves = count_moves(hold, gpu_exp, np.zeros(len(w), dtype=np.int64))
     args = (size, hold, cur, gpu_exp, load, target, budget, moves, *best)
-    got = D._best_swap(*args)
-    assert tuple(got) == tuple(D._best_swap.py_func(*args))
+    got = W.best_swap(*args)
+    assert tuple(got) == tuple(W.best_swap.py_func(*args))
     want = brute_best_swap(size, cur, hold, gpu_exp, load, target, budget, moves, best)
     assert bool(got[0]) == want[0]
     if want[0]:
         assert (bool(got[1]), float(got[2])) == (want[1], want[2])
         assert tuple(int(x) for x in got[3:]) == want[3:]
+
+
+@given(descent_states(), st.data())
+def test_cached_swap_search_equals_the_full_search(state, data):
+    """The swap search kept per GPU across the steps of a descent (a GPU searched again in
+    full only when it, its best swap's partner or the budget calls for it, otherwise against
+    the light GPUs that changed) gives the full search's swap after every change: swaps (the
+    best one or any), count changes (two experts' replicas change size), moves near the
+    budget, and first loads a bit off their sums. Integer loads: ties are exact, so the tie
+    rule is checked too."""
+    w, size, cnt, hold, cur, gpu_exp, load, target, budget = state
+    size, cnt, cur, gpu_exp, load = size.copy(), cnt.copy(), cur.copy(), gpu_exp.copy(), load.copy()
+    num_gpus, slots = gpu_exp.shape
+    moves = count_moves(hold, gpu_exp, np.zeros(len(w), dtype=np.int64))
+    budget = data.draw(st.one_of(st.just(budget), st.integers(max(0, moves - 1), moves + 3)))
+    # loads summed in another order: a descent may start from loads a bit off its own sums
+    off = np.array(data.draw(st.lists(st.booleans(), min_size=num_gpus, max_size=num_gpus)))
+    load = np.where(off, np.nextafter(load, np.inf), load)
+    cache = W.swap_cache(num_gpus)
+    for _ in range(data.draw(st.integers(4, 12), label="steps")):
+        moves = count_moves(hold, gpu_exp, np.zeros(len(w), dtype=np.int64))
+        want = W.best_swap(size, hold, cur, gpu_exp, load, target, budget, moves, False, 0.0)
+        got = W.cached_best_swap(size, hold, cur, gpu_exp, load, target, budget, moves, cache)
+        assert tuple(got) == tuple(want)
+        before_exp, before_load = gpu_exp.copy(), load.copy()
+        a = b = -1
+        kind = data.draw(st.sampled_from(["best swap", "any swap", "count change"]))
+        if kind == "best swap" and want[0]:
+            apply_swap(gpu_exp, cur, *want[3:])
+        elif kind == "count change" and cnt.max() >= 2:
+            donors = [
+                (g, i) for g in range(num_gpus) for i in range(slots) if cnt[gpu_exp[g, i]] >= 2
+            ]
+            h, i = data.draw(st.sampled_from(donors))
+            a = int(gpu_exp[h, i])
+            b = data.draw(st.sampled_from([e for e in range(len(w)) if e != a]))
+            apply_replace(gpu_exp, cur, cnt, h, i, b)
+            size[a], size[b] = w[a] / cnt[a], w[b] / cnt[b]
+        else:
+            h, k = data.draw(st.permutations(range(num_gpus)))[:2]
+            i, j = data.draw(st.integers(0, slots - 1)), data.draw(st.integers(0, slots - 1))
+            apply_swap(gpu_exp, cur, h, i, k, j)
+        gpu_loads(size, gpu_exp, load)
+        W.mark_changed(gpu_exp, before_exp, load, before_load, cur, a, b, cache[5])

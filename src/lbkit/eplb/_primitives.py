@@ -196,6 +196,20 @@ def apportion_minmax(w, num_phy, cnt):
 
 
 @jit
+def step_score(red, cost, best_free, best_score):
+    """Score of a descent step lowering the excess by ``red`` for ``cost`` moves: ``red`` when
+    free (``cost <= 0``), else ``red / cost``; ``-1`` unless it beats the best step so far
+    (``best_free``, ``best_score``; a free step beats every paid one)."""
+    if cost <= 0:
+        if best_free and red <= best_score:
+            return -1.0
+        return red
+    if best_free or red / cost <= best_score:
+        return -1.0
+    return red / cost
+
+
+@jit
 def gpu_loads(size, gpu_exp, load):
     """GPU loads of a packing whose ``-1`` slots are empty (or another sub-problem's)."""
     num_gpus, slots = gpu_exp.shape

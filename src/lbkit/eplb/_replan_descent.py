@@ -13,8 +13,11 @@ beats every paid one, free steps by reduction). Three kinds of step:
   passes one to ``h_m``.
 
 A step's cost is its change in moves; steps beyond ``budget`` are skipped; ties: lowest GPU,
-slot, expert, and the kinds in that order. Clean arrays only (see ``_primitives.py`` for the
-vocabulary); every kernel also runs with ``NUMBA_DISABLE_JIT=1``.
+slot, expert, and the kinds in that order. The best swap is searched first
+(``_replan_swaps.py``: kept per GPU across the steps, searched again only where a GPU
+changed), so that the count-change and chain searches need only reach it. Clean arrays only
+(see ``_primitives.py`` for the vocabulary); every kernel also runs with
+``NUMBA_DISABLE_JIT=1``.
 """
 
 from __future__ import annotations
@@ -30,10 +33,10 @@ from lbkit.eplb._primitives import (
     excess,
     gpu_loads,
     holders,
-    holds_move,
     replace_cost,
-    swap_cost,
+    step_score,
 )
+from lbkit.eplb._replan_swaps import cached_best_swap, mark_changed, swap_cache
 
 __all__ = [
     "MAX_CHAIN",
@@ -53,20 +56,6 @@ STEP_CHAIN = 2
 
 #: Most GPUs above the target in one chain.
 MAX_CHAIN = 8
-
-
-@jit
-def _step_score(red, cost, best_free, best_score):
-    """Score of a descent step lowering the excess by ``red`` for ``cost`` moves: ``red`` when
-    free (``cost <= 0``), else ``red / cost``; ``-1`` unless it beats the best step so far
-    (``best_free``, ``best_score``; a free step beats every paid one)."""
-    if cost <= 0:
-        if best_free and red <= best_score:
-            return -1.0
-        return red
-    if best_free or red / cost <= best_score:
-        return -1.0
-    return red / cost
 
 
 @jit
@@ -219,14 +208,14 @@ def _best_count_change(
                     bound = base + h_exc - excess(h_after + nb, target) + reach[b] + slack
                 else:
                     bound = reach[b] + min(h_exc, max(size[a] - nb, 0.0)) + slack
-                    if bound <= tol or _step_score(bound, cost, best_free, best_score) < 0.0:
+                    if bound <= tol or step_score(bound, cost, best_free, best_score) < 0.0:
                         continue  # even the bound cannot beat the best step
                     bound = base + h_exc - excess(h_after + nb, target) + slack
                     for k in range(start[b], start[b + 1]):
                         g = gpus[k]
                         x = load[g] + adl[g] if amark[g] == astamp else load[g]
                         bound += min(excess(x, target), shrink)
-                if bound <= tol or _step_score(bound, cost, best_free, best_score) < 0.0:
+                if bound <= tol or step_score(bound, cost, best_free, best_score) < 0.0:
                     continue  # even the bound cannot beat the best step
                 stamp += 1
                 nt = 0
@@ -253,7 +242,7 @@ def _best_count_change(
                     red += excess(load[g], target) - excess(load[g] + dl[g], target)
                 if red <= tol:
                     continue
-                score = _step_score(red, cost, best_free, best_score)
+                score = step_score(red, cost, best_free, best_score)
                 if score < 0.0:
                     # not better; equal to the best count change found and earlier in the
                     # order of (h, i, b) (that order's first one is the step taken)
@@ -271,91 +260,6 @@ def _best_count_change(
                 bi = i
                 bb = b
     return found, best_free, best_score, bh, bi, bb
-
-
-@jit
-def _best_swap(size, hold, cur, gpu_exp, load, target, budget, moves, best_free, best_score):
-    """The best swap that beats ``(best_free, best_score)``: replica ``a`` (slot ``i``) of a GPU
-    ``h`` above ``target`` with a smaller replica ``b`` (slot ``j``) of GPU ``k``. Returns
-    ``(found, best_free, best_score, h, i, k, j)``.
-
-    The reduction of a swap is at most ``min(excess of h, target - load[k])``, and at most zero
-    when ``k`` is above ``target``; such GPUs ``k`` are skipped, and so are those whose bound
-    (plus a slack above rounding) cannot beat the best step at the fewest moves a swap of
-    ``a`` with ``k`` can cost: ``[k never held a] - [a is a move on h]``, less one if ``k``
-    holds a replica that is a move (only such a ``b`` can lower the cost by leaving ``k``).
-    The GPUs ``k`` are visited by decreasing room, so that a large reduction is found early and,
-    when the best step is free, the first ``k`` whose bound cannot beat it ends the search for
-    that slot. The step is the first of the best in ``(h, i, k, j)`` order whatever the visiting
-    order (an equal swap earlier in ``(k, j)`` at the same slot replaces the best one).
-    """
-    num_gpus, slots = gpu_exp.shape
-    tol = REL_TOL * target
-    slack = 1e-9 * target
-    found = False
-    bh = bi = bk = bj = -1
-    k_moved = np.empty(num_gpus, dtype=np.bool_)  # k holds a replica that is a move
-    holds_move(gpu_exp, cur, hold, k_moved)
-    # GPUs at or below the target by decreasing room: a large reduction is found early, and
-    # once a free best step bounds one GPU's swaps it bounds those after it (ties: lowest
-    # (k, j) for the same (h, i), as in index order)
-    by_room = np.argsort(load, kind="mergesort")
-    n_light = 0
-    while n_light < num_gpus and load[by_room[n_light]] <= target:
-        n_light += 1
-    incoming = True  # the best so far is the caller's (an earlier kind: it wins ties)
-    for h in range(num_gpus):
-        if load[h] <= target + tol:
-            continue
-        h_exc = excess(load[h], target)
-        for i in range(slots):
-            a = gpu_exp[h, i]
-            a_moved = 1 if cur[h, a] > hold[h, a] else 0
-            for r in range(n_light):
-                k = by_room[r]
-                if k == h or cur[k, a] > 0:
-                    continue
-                bound = min(h_exc, target - load[k]) + slack
-                if best_free and bound <= best_score:
-                    break  # nor can any GPU after it (less room)
-                cmin = (1 if hold[k, a] == 0 else 0) - a_moved - (1 if k_moved[k] else 0)
-                if cmin > 0 and (best_free or bound <= best_score * cmin):
-                    continue  # every swap here costs moves and cannot beat the best step
-                for j in range(slots):
-                    b = gpu_exp[k, j]
-                    d = size[a] - size[b]
-                    if d <= tol or cur[h, b] > 0:
-                        continue
-                    red = (
-                        excess(load[h], target)
-                        - excess(load[h] - d, target)
-                        + excess(load[k], target)
-                        - excess(load[k] + d, target)
-                    )
-                    if red <= tol:
-                        continue
-                    cost = swap_cost(cur, hold, h, a, k, b)
-                    if moves + cost > budget:
-                        continue
-                    score = _step_score(red, cost, best_free, best_score)
-                    if score < 0.0:
-                        # equal to the best swap, at the same (h, i) and earlier in (k, j)
-                        if incoming or h != bh or i != bi or (cost <= 0) != best_free:
-                            continue
-                        if (red if cost <= 0 else red / cost) != best_score:
-                            continue
-                        if k > bk or (k == bk and j > bj):
-                            continue
-                        score = best_score
-                    best_free = cost <= 0
-                    best_score = score
-                    found = True
-                    incoming = False
-                    bh = h
-                    bi = i
-                    bk = k
-                    bj = j
-    return found, best_free, best_score, bh, bi, bk, bj
 
 
 @jit
@@ -518,7 +422,7 @@ def _best_chain(
                         size, hold, cur, gpu_exp, load, target, cg, ci, m, ck, cj, ck_load
                     )
                     if red > tol and moves + cost <= budget:
-                        score = _step_score(red, cost, best_free, best_score)
+                        score = step_score(red, cost, best_free, best_score)
                         if score >= 0.0:
                             best_free = cost <= 0
                             best_score = score
@@ -592,7 +496,9 @@ def descend(w, size, cnt, hold, cur, gpu_exp, load, target, budget, moves, max_s
     of the final state.
 
     Runtime complexity: O(max_steps × (G S E + H S G S + H S × MAX_CHAIN × G S)) for ``H`` GPUs
-    above ``target``.
+    above ``target``; the swap search is O(H S G S) on the first step and, on the others,
+    O(S G S) per GPU above ``target`` that changed or whose best swap's partner did, plus
+    O(S C S) per other one for the ``C`` GPUs that changed.
     """
     num_gpus, slots = gpu_exp.shape
     num_log = w.shape[0]
@@ -617,6 +523,9 @@ def descend(w, size, cnt, hold, cur, gpu_exp, load, target, budget, moves, max_s
             if hold[g, e] > 0:
                 old_of[g, t] = e
                 t += 1
+    cache = swap_cache(num_gpus)
+    before_exp = np.empty_like(gpu_exp)
+    before_load = np.empty(num_gpus)
     tol = REL_TOL * target
     for _step in range(max_steps):
         heavy = 0
@@ -628,17 +537,32 @@ def descend(w, size, cnt, hold, cur, gpu_exp, load, target, budget, moves, max_s
         holders(gpu_exp, num_log, start, gpus)
         _mark_hot(load, target, start, gpus, hot)
         kind = STEP_NONE
-        found, best_free, best_score, ch, ci, cb = _best_count_change(
+        # The best swap first (kept across steps); the count-change search then needs only to
+        # reach it, since a count change wins a tie with a swap: its threshold is the next
+        # float below the swap's score.
+        s_found, s_free, s_score, sh, si, sk, sj = cached_best_swap(
+            size, hold, cur, gpu_exp, load, target, budget, moves, cache
+        )
+        best_free = False
+        best_score = 0.0
+        if s_found:
+            best_free = s_free
+            best_score = np.nextafter(s_score, -np.inf)
+        found, c_free, c_score, ch, ci, cb = _best_count_change(
             w, size, cnt, hold, cur, gpu_exp, load, target, budget, moves, start, gpus, hot,
-            old_of, change_scratch, False, 0.0,
+            old_of, change_scratch, best_free, best_score,
         )  # fmt: skip
         if found:
             kind = STEP_COUNT_CHANGE
-        found, best_free, best_score, sh, si, sk, sj = _best_swap(
-            size, hold, cur, gpu_exp, load, target, budget, moves, best_free, best_score
-        )
-        if found:
+            best_free = c_free
+            best_score = c_score
+        elif s_found:
             kind = STEP_SWAP
+            best_free = s_free
+            best_score = s_score
+        else:
+            best_free = False
+            best_score = 0.0
         found, best_free, best_score, bm, bk, bj = _best_chain(
             size, hold, cur, gpu_exp, load, target, budget, moves, chain_scratch, (bcg, bci),
             best_free, best_score,
@@ -647,15 +571,20 @@ def descend(w, size, cnt, hold, cur, gpu_exp, load, target, budget, moves, max_s
             kind = STEP_CHAIN
         if kind == STEP_NONE:
             break
+        before_exp[:] = gpu_exp
+        before_load[:] = load
+        a = b = -1
         if kind == STEP_CHAIN:
             _apply_chain(gpu_exp, cur, bcg, bci, bm, bk, bj)
         elif kind == STEP_COUNT_CHANGE:
             a = gpu_exp[ch, ci]
+            b = cb
             apply_replace(gpu_exp, cur, cnt, ch, ci, cb)
             size[a] = w[a] / cnt[a]
             size[cb] = w[cb] / cnt[cb]
         else:
             apply_swap(gpu_exp, cur, sh, si, sk, sj)
         gpu_loads(size, gpu_exp, load)
+        mark_changed(gpu_exp, before_exp, load, before_load, cur, a, b, cache[5])
         moves = count_moves(hold, gpu_exp, cur_tmp)
     return moves
