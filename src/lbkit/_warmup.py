@@ -16,7 +16,7 @@ _KERNEL_MODULES = {
     "core": ("_kernels",),
     "prefill": ("_kernels", "lockstep"),
     "decode": ("_kernels",),
-    "eplb": ("greedy", "balanced", "_bound_kernels", "_replan_layer"),
+    "eplb": ("greedy", "balanced", "_bound_kernels", "_replan_layer", "_replan_choice"),
     "sim": ("engine",),
 }
 _KERNEL_PACKAGES = tuple(_KERNEL_MODULES)

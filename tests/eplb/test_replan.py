@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lbkit.eplb import _replan_layer, check_placement, drift, moe_lb, rebalance_experts
-from lbkit.eplb._replan_choice import select
+from lbkit.eplb._replan_choice import programme_tables, programme_tables_numpy, select
 from lbkit.eplb.replan import apply_moves, replan_experts, replan_tradeoff
 
 from .strategies import instances
@@ -96,6 +96,37 @@ def test_threads_do_not_change_the_result(case, knobs):
         assert np.array_equal(many.plan.phy2log, one.plan.phy2log)
         assert np.array_equal(many.num_moves, one.num_moves)
         assert np.array_equal(many.regrouped, one.regrouped)
+
+
+@given(st.data())
+def test_programme_kernel_equals_its_numpy_twin(data):
+    """The compiled tables of select's programme and the numpy ones (used until the kernel is
+    compiled) agree bit for bit: sums, and the candidate chosen (first of the smallest)."""
+    layers = data.draw(st.integers(1, 5))
+    width = data.draw(st.integers(1, 4))
+    moves = np.array(
+        data.draw(st.lists(st.integers(0, 6), min_size=layers * width, max_size=layers * width))
+    )
+    lb = np.array(
+        data.draw(
+            st.lists(
+                st.sampled_from([1.0, 1.25, 1.5, np.inf]) | st.floats(1.0, 2.0),
+                min_size=layers * width,
+                max_size=layers * width,
+            )
+        )
+    ).reshape(layers, width)
+    m = moves.reshape(layers, width).astype(np.int64)
+    ok = np.isfinite(lb)
+    top = data.draw(st.integers(0, 6 * layers))
+    tables = []
+    for kernel in (programme_tables, programme_tables_numpy):
+        best = np.empty(top + 1)
+        arg = np.empty((layers, top + 1), dtype=np.int16)
+        kernel(m, lb, ok, top, best, arg)
+        tables.append((best, arg))
+    assert np.array_equal(tables[0][0], tables[1][0])
+    assert np.array_equal(tables[0][1], tables[1][1])
 
 
 @given(st.data())

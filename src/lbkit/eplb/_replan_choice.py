@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from lbkit.core._jit import entry, jit_disabled, jit_mode
 from lbkit.eplb._replan_candidates import (
     Candidate,
     Context,
@@ -20,7 +21,16 @@ from lbkit.eplb._replan_candidates import (
 )
 from lbkit.eplb._replan_layer import ReplanArgs
 
-__all__ = ["DEFAULT_TOLERANCE", "mean_candidates", "replan_mean", "replan_total", "select"]
+__all__ = [
+    "DEFAULT_TOLERANCE",
+    "mean_candidates",
+    "programme_tables",
+    "programme_tables_numpy",
+    "replan_mean",
+    "replan_total",
+    "select",
+    "warmup",
+]
 
 #: Relative gap of the mean ``moe_lb`` over layers to a fresh default plan's that a re-plan may
 #: keep (``tolerance_scope="mean"``; per layer with ``"layer"``).
@@ -94,11 +104,65 @@ def _programme(
     """:func:`select`'s dynamic programme over totals ``0 .. top``; ``None`` when
     ``require_fit`` and no total in that range fits ``cap``. ``best[t]`` depends only on
     smaller totals, so a shorter range gives the same values and the same first fitting total.
+    The tables come from :func:`programme_tables` once it is compiled, else from
+    :func:`programme_tables_numpy` (the same values: a re-plan never waits for a compiler).
+    """
+    layers = lb.shape[0]
+    best = np.empty(top + 1)  # best[t]: smallest sum of lb with exactly t moves so far
+    arg = np.empty((layers, top + 1), dtype=np.int16)  # candidate index
+    args = (m, lb, ok, top, best, arg)
+    if not jit_disabled() and (jit_mode() == "inline" or programme_tables.is_compiled(*args)):
+        programme_tables(*args)
+    else:
+        programme_tables_numpy(*args)
+    fits = np.flatnonzero(best <= cap)
+    if require_fit and not len(fits):
+        return None
+    t = int(fits[0]) if len(fits) else int(np.argmin(best))
+    choice = np.empty(layers, dtype=np.int64)
+    for i in range(layers - 1, -1, -1):
+        choice[i] = arg[i, t]
+        t -= int(m[i, choice[i]])
+    return choice
+
+
+@entry
+def programme_tables(m, lb, ok, top, best, arg):
+    """The tables of :func:`select`'s dynamic programme, ``(layers, C)`` candidates: ``best[t]``
+    (``(top + 1,)``) the smallest sum of ``lb`` over all layers with exactly ``t`` moves
+    (``inf``: none), ``arg[i, t]`` (``(layers, top + 1)``, int16) the candidate of layer ``i``
+    on that path (the first of the smallest, as ``np.argmin``; 0 where none).
+
+    Runtime complexity: O(layers × top × C).
     """
     layers, width = lb.shape
-    best = np.zeros(top + 1)  # best[t]: smallest sum of lb with exactly t moves so far
+    best[0] = 0.0
+    for t in range(1, top + 1):
+        best[t] = np.inf
+    row = np.empty(top + 1)
+    for i in range(layers):
+        for t in range(top + 1):
+            bv = np.inf
+            bc = 0
+            for c in range(width):
+                if ok[i, c] and m[i, c] <= t:
+                    v = best[t - m[i, c]] + lb[i, c]
+                    if v < bv:
+                        bv = v
+                        bc = c
+            row[t] = bv
+            arg[i, t] = bc
+        best[:] = row
+
+
+def programme_tables_numpy(
+    m: np.ndarray, lb: np.ndarray, ok: np.ndarray, top: int, best: np.ndarray, arg: np.ndarray
+) -> None:
+    """:func:`programme_tables` in numpy (vectorised over the totals): the same tables, for the
+    calls made before the kernel is compiled."""
+    layers, width = lb.shape
+    best[0] = 0.0
     best[1:] = np.inf
-    arg = np.zeros((layers, top + 1), dtype=np.int16)  # candidate index
     cand = np.empty((width, top + 1))
     cols = np.arange(top + 1)
     for i in range(layers):
@@ -109,16 +173,15 @@ def _programme(
                 if k <= top:
                     cand[c, k:] = best[: top + 1 - k] + lb[i, c]
         arg[i] = np.argmin(cand, axis=0)  # the first of the smallest: lowest candidate index
-        best = cand[arg[i], cols]
-    fits = np.flatnonzero(best <= cap)
-    if require_fit and not len(fits):
-        return None
-    t = int(fits[0]) if len(fits) else int(np.argmin(best))
-    choice = np.empty(layers, dtype=np.int64)
-    for i in range(layers - 1, -1, -1):
-        choice[i] = arg[i, t]
-        t -= int(m[i, choice[i]])
-    return choice
+        best[:] = cand[arg[i], cols]
+
+
+def warmup() -> None:
+    """Compile :func:`programme_tables` (or load it from the disk cache) on a tiny input."""
+    m = np.zeros((1, 2), dtype=np.int64)
+    lb = np.ones((1, 2))
+    ok = np.ones((1, 2), dtype=np.bool_)
+    programme_tables.dispatcher(m, lb, ok, 2, np.empty(3), np.empty((1, 3), dtype=np.int16))
 
 
 def _select_candidates(
