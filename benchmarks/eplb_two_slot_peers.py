@@ -9,7 +9,8 @@ alternate, ``--rounds`` times: lbkit's default and greedy methods, DeepSeek's re
 policy, ``vllm/distributed/eplb/policy/default.py``, implements the same rules in numpy) and
 SGLang's ``deepseek_vec`` (``LBKIT_SGLANG_DEEPSEEK_VEC`` names a copy of
 ``python/sglang/srt/eplb/eplb_algorithms/deepseek_vec.py``; its ``decode_rebalance_experts``,
-the global policy). Each figure is the fastest round, wall clock; torch runs on one thread.
+the global policy). Each figure is the fastest round, wall clock; lbkit plans blocks of layers
+on the CPUs of the process (the default ``workers``) and torch runs on its default threads.
 A peer without its file is left out. The ratio columns divide by the fastest peer's time.
 
 Run: ``LBKIT_DEEPSEEK_EPLB=/path/to/eplb.py LBKIT_SGLANG_DEEPSEEK_VEC=/path/to/deepseek_vec.py
@@ -66,8 +67,7 @@ def main() -> None:
     vec = sglang_vec()
     if torch is None and vec is not None:
         import torch
-    if torch is not None:
-        torch.set_num_threads(1)
+    threads = torch.get_num_threads() if torch is not None else None
     v3, _, v3_name = replan_loads()
     v2lite = synthetic_expert_load(26, 64, sigma=1.0, rng=0)
     loads = {"v3": (v3, v3_name), "v2lite": (v2lite, "lognormal sigma 1 (26 x 64)")}
@@ -108,7 +108,9 @@ def main() -> None:
     table = {
         "title": "Two slots per GPU: plan time and balance against the peers",
         "note": "Global policy; fastest of "
-        f"{a.rounds} alternating rounds in one process (JIT warm, torch on one thread); "
+        f"{a.rounds} alternating rounds in one process (JIT warm); both sides use the CPUs of "
+        f"the process ({len(os.sched_getaffinity(0))}): lbkit plans blocks of layers on that "
+        f"many threads (the default workers), torch runs on its {threads} threads; "
         "ms = whole plan of every layer; moe_lb = mean over layers; bound = mean lower bound; "
         "vs fastest peer = lbkit's time over the faster of DeepSeek's reference (the rules of "
         "vLLM's default policy) and SGLang's deepseek_vec, which need LBKIT_DEEPSEEK_EPLB and "
