@@ -210,6 +210,15 @@ def step_score(red, cost, best_free, best_score):
 
 
 @jit
+def equals_best(found, red, cost, best_free, best_score):
+    """Whether a step lowering the excess by ``red`` for ``cost`` moves, which does not beat the
+    best step so far, equals it: the best is the same search's own (``found``), both are free or
+    both paid, and the scores (:func:`step_score`) are the same. Ties then go to the first in
+    the search's order."""
+    return found and (cost <= 0) == best_free and (red if cost <= 0 else red / cost) == best_score
+
+
+@jit
 def gpu_loads(size, gpu_exp, load):
     """GPU loads of a packing whose ``-1`` slots are empty (or another sub-problem's)."""
     num_gpus, slots = gpu_exp.shape

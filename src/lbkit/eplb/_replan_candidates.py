@@ -28,6 +28,7 @@ __all__ = [
     "Candidate",
     "Context",
     "context",
+    "fresh_plan",
     "map_layers",
     "matched_fresh",
     "regrouped",
@@ -54,6 +55,23 @@ def map_layers(args: ReplanArgs, func: Callable[[T], R], items: Iterable[T]) -> 
         return [func(x) for x in items]
     with ThreadPoolExecutor(min(args.workers, len(items))) as pool:
         return list(pool.map(func, items))
+
+
+def fresh_plan(args: ReplanArgs) -> tuple[np.ndarray, np.ndarray]:
+    """The default method's fresh plan for the new loads, on ``args.workers`` threads, and its
+    ``moe_lb`` per layer: ``(phy2log, moe_lb)``."""
+    p = args.problem
+    policy = "hierarchical" if p.hierarchical else "global"
+    fresh = balanced_rebalance(
+        p.weight,
+        p.num_replicas,
+        args.num_groups,
+        args.num_nodes,
+        p.num_gpus,
+        policy=policy,
+        workers=args.workers,
+    ).phy2log
+    return fresh, moe_lb(p.weight, fresh, num_gpus=p.num_gpus)
 
 
 def _node_bounds(w: np.ndarray, partitions: np.ndarray | None, args: ReplanArgs) -> np.ndarray:
@@ -110,17 +128,7 @@ def context(args: ReplanArgs) -> Context:
         partitions = choose_partitions(
             group_load, old_parts, args.num_nodes, args.regroup_tolerance
         )
-    policy = "hierarchical" if p.hierarchical else "global"
-    fresh = balanced_rebalance(
-        w,
-        p.num_replicas,
-        args.num_groups,
-        args.num_nodes,
-        p.num_gpus,
-        policy=policy,
-        workers=args.workers,
-    ).phy2log
-    fresh_lb = moe_lb(w, fresh, num_gpus=p.num_gpus)
+    fresh, fresh_lb = fresh_plan(args)
     bounds = _node_bounds(w, partitions, args)
     old_bounds = bounds
     if p.hierarchical:

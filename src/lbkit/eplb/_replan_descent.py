@@ -35,6 +35,7 @@ from lbkit.eplb._primitives import (
     apply_replace,
     apply_swap,
     count_moves,
+    equals_best,
     excess,
     gpu_loads,
     holders,
@@ -251,9 +252,7 @@ def _best_count_change(
                 if score < 0.0:
                     # not better; equal to the best count change found and earlier in the
                     # order of (h, i, b) (that order's first one is the step taken)
-                    if not found or (cost <= 0) != best_free:
-                        continue
-                    if (red if cost <= 0 else red / cost) != best_score:
+                    if not equals_best(found, red, cost, best_free, best_score):
                         continue
                     if h > bh or (h == bh and (i > bi or (i == bi and b > bb))):
                         continue

@@ -20,10 +20,9 @@ import numpy as np
 
 from lbkit.core._jit import jit_disabled, jit_mode
 from lbkit.eplb._regroup import old_partition
-from lbkit.eplb._replan_candidates import matched_fresh, regrouped, row_lb
+from lbkit.eplb._replan_candidates import fresh_plan, matched_fresh, regrouped, row_lb
 from lbkit.eplb._replan_choice import select
 from lbkit.eplb._replan_layer import ReplanArgs, replan_nodes, replan_nodes_levels
-from lbkit.eplb.balanced import balanced_rebalance
 from lbkit.eplb.bounds import moe_lb
 
 __all__ = ["replan_kernels_ready", "replan_matched"]
@@ -57,17 +56,7 @@ def replan_matched(args: ReplanArgs) -> tuple[np.ndarray, np.ndarray, np.ndarray
     p = args.problem
     w, prev = p.weight, args.previous
     layers, experts = w.shape
-    policy = "hierarchical" if p.hierarchical else "global"
-    fresh = balanced_rebalance(
-        w,
-        p.num_replicas,
-        args.num_groups,
-        args.num_nodes,
-        p.num_gpus,
-        policy=policy,
-        workers=args.workers,
-    ).phy2log
-    fresh_lb = moe_lb(w, fresh, num_gpus=p.num_gpus)
+    fresh, fresh_lb = fresh_plan(args)
     old_lb = moe_lb(w, prev, num_gpus=p.num_gpus)
     old_parts = (
         old_partition(prev, experts, args.num_groups, args.num_nodes) if p.hierarchical else None

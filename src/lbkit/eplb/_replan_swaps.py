@@ -10,7 +10,14 @@ from __future__ import annotations
 import numpy as np
 
 from lbkit.core._jit import jit
-from lbkit.eplb._primitives import REL_TOL, excess, holds_move, step_score, swap_cost
+from lbkit.eplb._primitives import (
+    REL_TOL,
+    equals_best,
+    excess,
+    holds_move,
+    step_score,
+    swap_cost,
+)
 
 __all__ = ["best_swap", "cached_best_swap", "mark_changed", "swap_cache"]
 
@@ -82,9 +89,7 @@ def _swaps_of(
                 score = step_score(red, cost, best_free, best_score)
                 if score < 0.0:
                     # equal to the best swap and earlier in (h, i, k, j) order
-                    if not found or (cost <= 0) != best_free:
-                        continue
-                    if (red if cost <= 0 else red / cost) != best_score:
+                    if not equals_best(found, red, cost, best_free, best_score):
                         continue
                     if not _earlier(h, i, k, j, bh, bi, bk, bj):
                         continue
