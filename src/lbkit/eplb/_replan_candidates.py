@@ -5,7 +5,6 @@ docstring states the rules)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple, TypeVar
 
 import numpy as np
@@ -21,6 +20,7 @@ from lbkit.eplb._replan_layer import (
     replan_layer,
     replan_nodes_levels,
 )
+from lbkit.eplb._threads import thread_map
 from lbkit.eplb.balanced import balanced_rebalance
 from lbkit.eplb.bounds import lower_bound, moe_lb
 
@@ -50,11 +50,7 @@ def map_layers(args: ReplanArgs, func: Callable[[T], R], items: Iterable[T]) -> 
     layer's entries of ``ctx.memo``, and the kernels it calls release the GIL; the results are
     those of the loop in every order the threads may take.
     """
-    items = list(items)
-    if args.workers <= 1 or len(items) <= 1:
-        return [func(x) for x in items]
-    with ThreadPoolExecutor(min(args.workers, len(items))) as pool:
-        return list(pool.map(func, items))
+    return thread_map(func, items, args.workers)
 
 
 def fresh_plan(args: ReplanArgs) -> tuple[np.ndarray, np.ndarray]:

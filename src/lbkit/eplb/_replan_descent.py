@@ -564,9 +564,6 @@ def descend(w, size, cnt, hold, cur, gpu_exp, load, target, budget, moves, max_s
             kind = STEP_SWAP
             best_free = s_free
             best_score = s_score
-        else:
-            best_free = False
-            best_score = 0.0
         if not best_free:  # chains only against a paid step (module docstring)
             found, best_free, best_score, bm, bk, bj = _best_chain(
                 size, hold, cur, gpu_exp, load, target, budget, moves, chain_scratch,

@@ -5,14 +5,24 @@ threads with the same results as one loop."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from itertools import pairwise
-from typing import Any
+from typing import Any, TypeVar
 
 from lbkit.core.validation import check_int
 
-__all__ = ["BLOCKS_PER_WORKER", "available_cpus", "layer_blocks", "on_blocks", "resolve_workers"]
+__all__ = [
+    "BLOCKS_PER_WORKER",
+    "available_cpus",
+    "layer_blocks",
+    "on_blocks",
+    "resolve_workers",
+    "thread_map",
+]
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 #: Blocks of layers per thread: more blocks than threads even out layers of unequal cost.
 BLOCKS_PER_WORKER = 4
@@ -57,13 +67,23 @@ def layer_blocks(layers: int, workers: int) -> list[slice]:
     return [slice(a, b) for a, b in pairwise(bounds)]
 
 
+def thread_map(func: Callable[[T], R], items: Iterable[T], workers: int) -> list[R]:
+    """``[func(x) for x in items]``, on ``workers`` threads when there are several threads and
+    items; results in order.
+
+    Examples
+    --------
+    >>> thread_map(abs, [-1, 2, -3], 2)
+    [1, 2, 3]
+    """
+    items = list(items)
+    if workers <= 1 or len(items) <= 1:
+        return [func(x) for x in items]
+    with ThreadPoolExecutor(min(workers, len(items))) as pool:
+        return list(pool.map(func, items))
+
+
 def on_blocks(func: Callable[[slice], None], layers: int, workers: int) -> None:
     """Call ``func`` on every block of :func:`layer_blocks` (on ``workers`` threads when there
     are several); ``func`` must write only its own layers."""
-    blocks = layer_blocks(layers, workers)
-    if len(blocks) == 1:
-        func(blocks[0])
-        return
-    with ThreadPoolExecutor(min(workers, len(blocks))) as pool:
-        for _ in pool.map(func, blocks):
-            pass
+    thread_map(func, layer_blocks(layers, workers), workers)
